@@ -1,0 +1,87 @@
+"""The ``ppolm`` command line. Each subcommand's options come from its typed config dataclass."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ppolm.errors import PPOLMError
+
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    # name: (module, config class, help)
+    "ppo": ("ppolm.ppo_config", "PPOConfig", "train a policy with PPO against reward models and/or reward functions"),
+}
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub at run time
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.utils.tensorboard")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def run_ppo(cfg: Any) -> int:
+    from ppolm.ppo import train_ppo
+
+    result = train_ppo(cfg)
+    if result.interrupted:
+        return 130
+    last = result.metrics[-1] if result.metrics else {}
+    print(f"done: {len(result.metrics)} steps, final score {last.get('objective/scores', float('nan')):+.4f}, "
+          f"KL {last.get('objective/kl', float('nan')):.3f}; policy saved to {result.output_dir / 'policy'}")
+    return 0
+
+
+RUNNERS: dict[str, Callable[[Any], int]] = {"ppo": run_ppo}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    from ppolm import __version__, config
+
+    parser = argparse.ArgumentParser(prog="ppolm", description="RLHF with PPO for language models, on a CPU or GPU.")
+    parser.add_argument("--version", action="version", version=f"ppolm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, cls_name, help_text) in COMMANDS.items():
+        cls = getattr(importlib.import_module(module), cls_name)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (flat or by section); "
+                       "command-line options override it")
+        config.add_arguments(p, cls)
+        p.set_defaults(_cfg_cls=cls)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        from ppolm import config
+
+        cfg = config.from_cli(args._cfg_cls, args, args.command)
+        _quiet_libraries()
+        return RUNNERS[args.command](cfg)
+    except PPOLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted; nothing was saved in this step (earlier checkpoints are intact)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The PPO math of RLHF, as pure functions on tensors.
+
+Everything here imports only torch: masked statistics, log-probabilities and entropy from
+logits, the per-token KL penalty and reward shaping of InstructGPT, GAE, the clipped policy
+and value losses of PPO, the Bradley-Terry reward-model loss and the KL-coefficient
+controllers. Functions take tensors and floats, never a config object.
+
+Shapes: B is the batch (one row per prompt/response), T the response length, V the vocabulary.
+``mask`` is a (B, T) 0/1 (or bool) tensor marking real response tokens, right-padded
+(``1 ... 1 0 ... 0`` per row).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+
+
+def _mask_like(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The mask as a float tensor of at least float32 precision (bf16 sums of counts lose integers)."""
+    dtype = torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else torch.float32
+    return mask.to(dtype)
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x * mask), over all entries (``dim=None``) or along ``dim``. x, mask: (B, T).
+
+    Source: the masked statistics of OpenAI lm-human-preferences (padding never counts).
+    """
+    m = _mask_like(mask, x)
+    return (x * m).sum() if dim is None else (x * m).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x * mask) / sum(mask), over all entries or along ``dim``. x, mask: (B, T).
+
+    A slice with no real entries gives nan (0/0); callers pass masks with at least one 1.
+    Source: OpenAI lm-human-preferences (means over response tokens only).
+    """
+    m = _mask_like(mask, x)
+    if dim is None:
+        return (x * m).sum() / m.sum()
+    return (x * m).sum(dim) / m.sum(dim)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the entries of x where mask is 1 (a scalar tensor). x, mask: (B, T).
+
+    var = masked_mean((x - mu)^2), mu = masked_mean(x); with ``unbiased`` it is multiplied by
+    n / (n - 1), n = sum(mask) (Bessel). Raises ValueError if n == 0, or n == 1 and unbiased.
+    Source: OpenAI lm-human-preferences (moments over real tokens).
+    """
+    n = float(_mask_like(mask, x).sum().item())
+    if n == 0:
+        raise ValueError("masked_var: mask selects no entries")
+    if unbiased and n == 1:
+        raise ValueError("masked_var: unbiased variance needs at least 2 entries, mask selects 1")
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return var * (n / (n - 1)) if unbiased else var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mu) / sqrt(var + 1e-8) with mu, var over the real entries; (B, T) -> (B, T).
+
+    With ``shift_mean=False`` the mean is added back: (x - mu) / sigma + mu (used for rewards,
+    whose sign matters). Padding (mask 0) is returned as 0. Source: ``whiten`` in OpenAI
+    lm-human-preferences (advantages are whitened with shift_mean=True).
+    """
+    mean = masked_mean(x, mask)
+    # Biased variance, as OpenAI's whiten (tf.nn.moments divides by n): for the thousands of
+    # tokens of a PPO batch the difference is negligible and a batch of one token stays finite.
+    var = masked_var(x, mask, unbiased=False)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * _mask_like(mask, whitened)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits / temperature)[tokens]: logits (B, T, V), tokens (B, T) -> (B, T) float32.
+
+    Computed as gathered logit - logsumexp(logits) in float32 (also for bf16 logits), without
+    materialising the full log-softmax. The temperature must be the one used for sampling.
+    Source: Ziegler et al. 2019 / OpenAI lm-human-preferences (logits divided by the temperature).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = logits.float() / temperature
+    picked = torch.gather(scaled, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits): logsumexp(l) - sum(softmax(l) * l); (B, T, V) -> (B, T) float32.
+
+    Equal to -sum p log p; logits must be finite. Source: Shannon entropy, the PPO entropy
+    diagnostic of Schulman et al. 2017 and lm-human-preferences.
+    """
+    lf = logits.float()
+    probs = torch.softmax(lf, dim=-1)
+    return torch.logsumexp(lf, dim=-1) - (probs * lf).sum(-1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens; (B, T) -> (B, T).
+
+    With d = logp - logp_ref (tokens sampled from the policy):
+    k1 = d (unbiased, can be negative), k2 = d^2 / 2 (biased, low variance, >= 0),
+    k3 = exp(-d) - 1 + d (unbiased, >= 0). Source: J. Schulman, "Approximating KL
+    divergence" (blog, 2020); k1 is the penalty of Ziegler et al. 2019 and InstructGPT.
+    """
+    d = logprobs.float() - ref_logprobs.float()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d**2
+    if kind == "k3":
+        r = -d  # log(p_ref / p)
+        return torch.expm1(r) - r  # exp(r) - 1 - r, accurate for small r
+    raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of a (B, T) mask -> (B,) long.
+
+    Raises ValueError if a row has no 1 (an empty response has no token to carry the score).
+    Source: InstructGPT (Ouyang et al. 2022): the reward-model score sits on the last token.
+    """
+    m = mask != 0
+    if bool((~m.any(dim=-1)).any()):
+        raise ValueError("last_token_index: a row of the mask has no real token")
+    positions = torch.arange(m.shape[-1], device=m.device).expand_as(m)
+    return torch.where(m, positions, torch.zeros_like(positions)).amax(dim=-1)
+
+
+def shape_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards of RLHF: the KL penalty on every token, the score on the last one.
+
+    non_score[b, t] = -kl_coef * kl[b, t] * mask[b, t];
+    rewards = non_score, plus scores[b] at t = last real token of row b.
+    scores (B,), kl (B, T), mask (B, T) -> (rewards, non_score_rewards), each (B, T).
+    Source: Ziegler et al. 2019; OpenAI lm-human-preferences; Ouyang et al. 2022 (InstructGPT).
+    """
+    m = _mask_like(mask, kl)
+    non_score = -kl_coef * kl.to(m.dtype) * m
+    rewards = non_score.clone()
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    rewards[rows, last_token_index(mask)] += scores.to(rewards.dtype)
+    return rewards, non_score
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation; rewards, values, mask (B, T) -> (advantages, returns).
+
+    delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1} * m_{t+1},
+    with V_T = A_T = 0: the episode ends after the last real token (bootstrap value 0).
+    returns = advantages + values. Both are float32 and 0 where mask is 0.
+    Source: Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE".
+    """
+    m = mask.float()
+    r = rewards.float() * m
+    v = values.float() * m
+    batch, length = r.shape
+    next_value = torch.zeros(batch, dtype=torch.float32, device=r.device)
+    next_adv = torch.zeros_like(next_value)
+    next_mask = torch.zeros_like(next_value)
+    reversed_adv = []
+    for t in reversed(range(length)):
+        delta = r[:, t] + gamma * next_value * next_mask - v[:, t]
+        next_adv = delta + gamma * lam * next_adv * next_mask
+        reversed_adv.append(next_adv)
+        next_value, next_mask = v[:, t], m[:, t]
+    advantages = torch.stack(reversed_adv[::-1], dim=1) * m
+    returns = (advantages + v) * m
+    return advantages, returns
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss; all inputs (B, T) -> (scalar loss, stats).
+
+    r = exp(logp - logp_old); loss = masked_mean(max(-A * r, -A * clip(r, 1 - eps, 1 + eps))).
+    stats (detached scalars): clipfrac = fraction of real tokens where the clipped term is the
+    larger one, approxkl = masked_mean((logp - logp_old)^2 / 2), ratio = masked_mean(r).
+    Source: Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (eq. 7).
+    """
+    log_ratio = logprobs.float() - old_logprobs.float()
+    ratio = torch.exp(log_ratio)
+    adv = advantages.float()
+    pg_loss1 = -adv * ratio
+    pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    pg_loss = torch.max(pg_loss1, pg_loss2)
+    loss = masked_mean(pg_loss, mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((pg_loss2 > pg_loss1).float(), mask),
+            "approxkl": masked_mean(0.5 * log_ratio**2, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, {k: s.detach() for k, s in stats.items()}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss; all inputs (B, T) -> (scalar loss, stats).
+
+    v_clip = clip(v, v_old - c, v_old + c);
+    loss = 0.5 * masked_mean(max((v - R)^2, (v_clip - R)^2)).
+    stats: clipfrac = fraction of real tokens where the clipped term is strictly larger.
+    Source: OpenAI baselines ppo2 / lm-human-preferences (value clipping of PPO implementations).
+    """
+    v, v_old, ret = values.float(), old_values.float(), returns.float()
+    v_clipped = v_old + torch.clamp(v - v_old, -clip, clip)
+    vf_loss1 = (v - ret) ** 2
+    vf_loss2 = (v_clipped - ret) ** 2
+    loss = 0.5 * masked_mean(torch.max(vf_loss1, vf_loss2), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((vf_loss2 > vf_loss1).float(), mask)
+    return loss, {"clipfrac": clipfrac.detach()}
+
+
+def pairwise_loss(
+    chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Bradley-Terry reward-model loss: mean(-log sigmoid(r_chosen - r_rejected - margin)).
+
+    chosen, rejected, margin: (B,); margin None means 0. Uses logsigmoid (stable for large gaps).
+    Source: Christiano et al. 2017; Ouyang et al. 2022 (InstructGPT); margin as in Llama 2.
+    """
+    diff = chosen.float() - rejected.float()
+    if margin is not None:
+        diff = diff - margin.float()
+    return -F.logsigmoid(diff).mean()
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - v) / Var(R) over the real tokens (biased masked variances); (B, T) -> float.
+
+    1 is a perfect value function, 0 no better than the mean, negative worse. nan if Var(R) == 0.
+    Source: ``explained_variance`` of OpenAI baselines, a PPO value-function diagnostic.
+    """
+    var_returns = float(masked_var(returns.float(), mask, unbiased=False).item())
+    if var_returns == 0.0:
+        return float("nan")
+    var_residual = float(masked_var(returns.float() - values.float(), mask, unbiased=False).item())
+    return 1.0 - var_residual / var_returns
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient: steer the measured KL towards a target.
+
+    error = clip(current_kl / target - 1, -0.2, 0.2); value *= 1 + error * n_steps / horizon.
+    Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (sec. 2.2).
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target and horizon must be > 0, got target={target}, horizon={horizon}")
+        self.value: float = float(init_kl_coef)
+        self.target: float = float(target)
+        self.horizon: float = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Move the coefficient after ``n_steps`` samples with mean KL ``current_kl``."""
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+        self.target = float(state.get("target", self.target))
+        self.horizon = float(state.get("horizon", self.horizon))
+
+
+class FixedKLController:
+    """Constant KL coefficient, with the interface of AdaptiveKLController (update does nothing)."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value: float = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the coefficient stays fixed."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+
+
+__all__ = [
+    "KL_KINDS", "AdaptiveKLController", "FixedKLController", "entropy_from_logits", "explained_variance",
+    "gae", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean", "masked_sum",
+    "masked_var", "masked_whiten", "pairwise_loss", "policy_loss", "shape_rewards", "value_loss",
+]

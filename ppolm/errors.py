@@ -1,0 +1,8 @@
+"""The one exception type that reaches users as a single line (exit code 2, no traceback)."""
+
+
+class PPOLMError(Exception):
+    """A problem with the user's input or environment, stated in one line with the fix.
+
+    The CLI prints ``error: <message>`` to stderr and exits with code 2.
+    """

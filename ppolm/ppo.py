@@ -1,0 +1,563 @@
+"""The PPO trainer of InstructGPT: rollout -> score -> KL vs reference -> GAE -> clipped updates.
+
+The four models are four named attributes of :class:`PPOTrainer`: ``policy`` (trained),
+``reference`` (frozen copy; with LoRA, ``None``: the policy with its adapter disabled),
+``rewarder`` (frozen reward models and/or reward functions) and ``critic`` (a separate value
+model, or ``value_head`` on the policy's trunk). :meth:`PPOTrainer.step` is one PPO iteration
+written as the numbered steps of the seed's pseudo-code; the maths is in :mod:`ppolm.core`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import shutil
+import signal
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppolm import checkpoint, config, core
+from ppolm import rollout as ro
+from ppolm.errors import PPOLMError
+from ppolm.ppo_config import PPOConfig
+
+OUTPUTS = ("policy", "critic", "checkpoints", "tensorboard", "metrics.jsonl", "samples.jsonl", "config.yaml",
+           "report.html", "plots")
+
+
+@dataclass
+class PPOResult:
+    output_dir: Path
+    metrics: list[dict[str, Any]]
+    interrupted: bool = False
+
+
+def train_ppo(cfg: PPOConfig) -> PPOResult:
+    """Run PPO as configured (the Python twin of ``ppolm ppo``); returns the metrics rows."""
+    return PPOTrainer(cfg).train()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise PPOLMError("--device cuda was asked for but no CUDA device is available; use --device cpu or auto")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def prepare_output_dir(out: Path, cfg: PPOConfig) -> None:
+    """Refuse to mix runs: an existing non-empty dir needs --resume (same config) or --overwrite."""
+    if out.exists() and not out.is_dir():
+        raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
+    if out.is_dir() and any(out.iterdir()):
+        saved = out / "config.yaml"
+        if cfg.run.overwrite:
+            for name in OUTPUTS:
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        elif cfg.run.resume:
+            if not saved.exists():
+                raise PPOLMError(f"--output-dir {out} does not hold a ppolm run (no config.yaml); "
+                                 "choose another directory")
+            diff = config_difference(config.load_yaml(saved), config.to_dict(cfg))
+            if diff:
+                raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); "
+                                 "resume with the same options, or use --overwrite or a new --output-dir")
+        else:
+            raise PPOLMError(f"--output-dir {out} already holds files; pass --resume to continue that run, "
+                             "--overwrite to replace it, or choose a new directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
+
+
+RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "save_every", "keep_last", "sample_every"}
+
+
+def config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """First differing option between two config dicts, ignoring run-control options."""
+    for sec, vals in now.items():
+        if not isinstance(vals, dict):
+            continue
+        for k, v in vals.items():
+            if k in RUN_CONTROL:
+                continue
+            old = saved.get(sec, {}).get(k, v)
+            if old != v:
+                return f"{k}: {old!r} then, {v!r} now"
+    return ""
+
+
+class PPOTrainer:
+    def __init__(self, cfg: PPOConfig):
+        from ppolm import models
+        from ppolm.data import load_prompts, load_text_corpus
+        from ppolm.rewards import Rewarder, RewardFunction, RewardModel, function_name, load_reward_fn
+
+        cfg.validate()
+        self.cfg = cfg
+        m, a = cfg.model, cfg.algo
+        self.out = Path(cfg.run.output_dir)
+        prepare_output_dir(self.out, cfg)
+        self.device = resolve_device(m.device)
+        self.bf16 = m.precision == "bf16"
+        frozen_dtype = torch.bfloat16 if self.bf16 else torch.float32
+        seed_everything(cfg.run.seed)
+
+        # The reward comes first: a wrong spec should fail before minutes of model loading.
+        specs = list(cfg.reward.reward_fn)
+        if not specs and not cfg.reward.reward_model:
+            specs = ["ppolm.builtin_rewards:positive_sentiment"]
+            print("no --reward-model or --reward-fn given: using the built-in reward "
+                  "ppolm.builtin_rewards:positive_sentiment (VADER sentiment of the response)", file=sys.stderr)
+        weights = cfg.reward.reward_fn_weights or [1.0] * len(specs)
+        taken: set[str] = set()
+        functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), w) for s, w in zip(specs, weights)]
+
+        # 1. policy (trained) and 2. reference (frozen)
+        self.tokenizer = models.load_tokenizer(m.model)
+        self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        self.policy = models.load_causal_lm(m.model, dtype=torch.float32, device=self.device,
+                                            trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
+        self.reference = None
+        if m.lora_r > 0:
+            from peft import LoraConfig, get_peft_model
+
+            targets: Any = m.lora_target if m.lora_target == "all-linear" else m.lora_target.split(",")
+            self.policy = get_peft_model(self.policy, LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha,
+                                                                 lora_dropout=0.0, target_modules=targets,
+                                                                 task_type="CAUSAL_LM"))
+        else:
+            self.reference = models.load_causal_lm(m.model, dtype=frozen_dtype, device=self.device,
+                                                   trust_remote_code=m.trust_remote_code,
+                                                   allow_pickle=m.allow_pickle).requires_grad_(False)
+        self.policy.train()  # dropout is already 0 in every model; train() only matters to peft
+
+        # 3. reward: frozen reward models and/or functions
+        rms = [RewardModel(p, dtype=frozen_dtype, device=self.device, trust_remote_code=m.trust_remote_code,
+                           allow_pickle=m.allow_pickle) for p in cfg.reward.reward_model]
+        self.rm_same_vocab = [rm.tokenizer.get_vocab() == self.tokenizer.get_vocab() for rm in rms]
+        self.rewarder = Rewarder(rms, functions, model_weight=cfg.reward.reward_model_weight,
+                                 ensemble_rule=cfg.reward.reward_ensemble)
+
+        # 4. critic: separate model (from the RM or the policy) or a value head on the policy's trunk
+        self.critic, self.value_head = None, None
+        if m.critic == "shared":
+            d = self.policy.config.hidden_size
+            self.value_head = torch.nn.Linear(d, 1).to(self.device)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+        else:
+            from_rm = m.critic_init == "reward" and cfg.reward.reward_model
+            src = rms[0].dir if from_rm else m.model
+            self.critic = models.load_scalar_model(src, head_init="keep" if from_rm else "value",
+                                                   dtype=torch.float32, device=self.device,
+                                                   trust_remote_code=m.trust_remote_code,
+                                                   allow_pickle=m.allow_pickle)
+            self.critic.train()
+
+        # Data
+        ctx = getattr(self.policy.config, "max_position_embeddings", None)
+        self.prompts = load_prompts(cfg.run.prompts, self.tokenizer, chat_template=cfg.run.chat_template,
+                                    max_length=cfg.generation.max_prompt_length, context_length=ctx,
+                                    response_length=cfg.generation.response_length)
+        self.ptx_ids = None
+        if a.ptx_coef > 0:
+            texts = load_text_corpus(a.ptx_data)  # type: ignore[arg-type]
+            self.ptx_ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:256] for t in texts]
+            self.ptx_ids = [x for x in self.ptx_ids if len(x) >= 2]
+
+        # Optimisers: separate learning rates for actor and critic (Adam eps 1e-5, detail 16)
+        self.actor_params = [p for p in self.policy.parameters() if p.requires_grad]
+        critic_mod = self.value_head if self.value_head is not None else self.critic
+        self.critic_params = [p for p in critic_mod.parameters() if p.requires_grad]
+        adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay)
+        self.actor_opt = torch.optim.AdamW(self.actor_params, lr=a.actor_lr, **adam)
+        self.critic_opt = torch.optim.AdamW(self.critic_params, lr=a.critic_lr, **adam)
+        decay = (lambda s: max(0.0, 1.0 - s / a.steps)) if a.lr_schedule == "linear" else (lambda s: 1.0)
+        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
+        self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, decay)
+        k = cfg.kl
+        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon) if k.adaptive_kl
+                       else core.FixedKLController(k.kl_coef))
+        self.skipped_total = 0
+        self.consecutive_skips = 0
+        self.start_step = 0
+        self.warned: set[str] = set()
+
+    # ----------------------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def prompt_batch(self, step: int) -> list[Any]:
+        """Prompts of a step: a fresh seeded permutation per pass over the data (resume-safe)."""
+        n, b = len(self.prompts), self.cfg.algo.batch_size
+        out = []
+        for i in range(step * b, (step + 1) * b):
+            epoch, j = divmod(i, n)
+            g = torch.Generator().manual_seed(self.cfg.run.seed * 100003 + epoch)
+            out.append(self.prompts[int(torch.randperm(n, generator=g)[j])])
+        return out
+
+    def forward_train(self, roll: ro.Rollout, need_entropy_grad: bool) -> tuple[torch.Tensor, ...]:
+        """Policy log-probs, entropy and values on a rollout: each (B, R)."""
+        with self.autocast():
+            h = ro.response_hidden(self.policy, roll)
+            logits = ro.lm_head(self.policy)(h).float() / self.cfg.generation.temperature  # (B, R, V)
+            logp = core.logprobs_from_logits(logits, roll.response)
+            with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
+                ent = core.entropy_from_logits(logits)
+            if self.value_head is not None:
+                v = self.value_head(h).squeeze(-1).float()
+            else:
+                v = ro.values(self.critic, roll)
+        return logp, ent, v
+
+    @torch.no_grad()
+    def reference_logprobs(self, roll: ro.Rollout) -> torch.Tensor:
+        t = self.cfg.generation.temperature
+        with self.autocast():
+            if self.reference is None:  # LoRA: the reference is the policy without its adapter
+                with self.policy.disable_adapter():
+                    return ro.logprobs(self.policy, roll, t)
+            return ro.logprobs(self.reference, roll, t)
+
+    @torch.no_grad()
+    def score(self, roll: ro.Rollout, prompts: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
+        """Score each full prompt+response once; (B,) total plus each source's (B,)."""
+        texts = self.tokenizer.batch_decode(roll.response * roll.response_mask + self.pad_id * (1 - roll.response_mask),
+                                            skip_special_tokens=True)
+
+        def rm_scores(rm: Any) -> torch.Tensor:
+            with self.autocast():
+                if self.rm_same_vocab[self.rewarder.models.index(rm)]:
+                    return rm.score_ids(roll.input_ids, roll.attention_mask)
+                full = self.tokenizer.batch_decode(
+                    [row[mask.bool()] for row, mask in zip(roll.input_ids, roll.attention_mask)])
+                return rm.score_texts(full)
+
+        keys = sorted({k for p in prompts for k in p.extra})
+        columns = {k: [p.extra.get(k) for p in prompts] for k in keys}
+        total, parts = self.rewarder.score(model_inputs=rm_scores, prompts=[p.raw for p in prompts],
+                                           completions=texts, columns=columns)
+        return total.to(self.device), parts, texts
+
+    def optimizer_step(self) -> bool:
+        """Clip and step both optimisers; skip both if any gradient is non-finite."""
+        a = self.cfg.algo
+        norms = [torch.nn.utils.clip_grad_norm_(ps, a.max_grad_norm) for ps in (self.actor_params, self.critic_params)]
+        ok = all(torch.isfinite(n) for n in norms)
+        if ok:
+            self.actor_opt.step()
+            self.critic_opt.step()
+        self.actor_opt.zero_grad(set_to_none=True)
+        self.critic_opt.zero_grad(set_to_none=True)
+        return ok
+
+    def ptx_loss(self, gen: torch.Generator) -> torch.Tensor:
+        """Language-modelling loss on a microbatch of the pretraining corpus (PPO-ptx)."""
+        n = self.cfg.microbatch_size
+        picks = [self.ptx_ids[int(i)] for i in torch.randint(len(self.ptx_ids), (n,), generator=gen)]
+        width = max(len(x) for x in picks)
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, x in enumerate(picks):
+            ids[i, :len(x)], mask[i, :len(x)] = torch.tensor(x), 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        labels = ids.masked_fill(mask == 0, -100)
+        with self.autocast():
+            return self.policy(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.float()
+
+    # ----------------------------------------------------------------------------------------
+    def step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One PPO iteration; returns (metrics, sample rows)."""
+        cfg, a, g = self.cfg, self.cfg.algo, self.cfg.generation
+        t_start = time.perf_counter()
+        prompts = self.prompt_batch(step)
+
+        # 1. Rollout: sample a response per prompt (no grad, KV cache), mask after EOS.
+        self.policy.eval()
+        with self.autocast():
+            roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
+                               max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
+                               top_k=g.top_k, ignore_eos=g.ignore_eos)
+        self.policy.train()
+        mask = roll.response_mask.float()  # (B, R)
+        t_rollout = time.perf_counter()
+
+        # 2. Score: reward models/functions on prompt+response; penalties for no EOS and length.
+        scores, parts, texts = self.score(roll, prompts)  # (B,)
+        if cfg.reward.missing_eos_penalty is not None:
+            scores = torch.where(roll.ended, scores, torch.full_like(scores, cfg.reward.missing_eos_penalty))
+        if cfg.reward.length_penalty:
+            scores = scores - cfg.reward.length_penalty * roll.lengths.float()
+
+        # 3. Log-probs under the frozen reference, and the rollout policy's own log-probs and values.
+        #    With one epoch of one minibatch the training forward pass *is* the rollout pass (ratio 1
+        #    exactly), so it runs once, with grad, and is reused below: no repeated forward pass.
+        ref_logprobs = self.reference_logprobs(roll)  # (B, R)
+        fused = a.ppo_epochs == 1 and a.minibatches == 1 and a.grad_accum == 1
+        with torch.set_grad_enabled(fused):
+            fused_out = self.forward_train(roll, a.entropy_coef > 0)
+        old_logprobs, entropy, old_values = (x.detach() for x in fused_out)  # (B, R) each
+        t_score = time.perf_counter()
+
+        # 4. Per-token KL vs the reference; the score lands on each response's last real token.
+        beta = self.kl_ctl.value
+        kl = core.kl_penalty(old_logprobs, ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
+        rewards, non_score = core.shape_rewards(scores, kl, beta if cfg.kl.kl_in == "reward" else 0.0, mask)
+        if cfg.kl.kl_in == "loss":
+            non_score = -beta * kl
+        if cfg.reward.whiten_rewards:
+            rewards = core.masked_whiten(rewards, mask, shift_mean=False)
+
+        # 5. Advantages by GAE (gamma, lambda); returns = advantages + values; whitened per batch.
+        old_values = old_values * mask
+        advantages, returns = core.gae(rewards, old_values, mask, a.gamma, a.lam)  # (B, R)
+        adv_var = core.masked_var(advantages, mask).item() if mask.sum() > 1 else 0.0
+        if a.whiten_advantages:
+            advantages = core.masked_whiten(advantages, mask)
+
+        # 6. PPO epochs: fresh shuffle each epoch, minibatches, gradient accumulation, clipped losses.
+        finite = bool(torch.isfinite(scores).all())
+        if not finite:
+            self.warn_once("reward", f"step {step}: non-finite reward (NaN/inf) from the reward; update skipped")
+        stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "clipfrac", "pg", "vf", "vf_clipfrac",
+                                                         "ratio", "entropy", "ptx")}
+        skipped, epochs_done = 0, 0
+        gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
+        for _epoch in range(a.ppo_epochs if finite else 0):
+            perm = torch.randperm(a.batch_size, generator=gen).to(self.device)
+            epoch_kl = []
+            for mb in perm.split(cfg.minibatch_size):
+                for micro in mb.split(cfg.microbatch_size):
+                    if fused:  # the rollout pass, with grad (rows in minibatch order)
+                        logp, ent, v = (x[micro] for x in fused_out)
+                    else:
+                        logp, ent, v = self.forward_train(roll.select(micro), a.entropy_coef > 0)
+                    m_ = mask[micro]
+                    pg_loss, pg = core.policy_loss(logp, old_logprobs[micro], advantages[micro], m_, a.clip_eps)
+                    vf_loss, vf = core.value_loss(v, old_values[micro], returns[micro], m_, a.vf_clip)
+                    loss = pg_loss
+                    if cfg.kl.kl_in == "loss":
+                        loss = loss + beta * core.masked_mean(
+                            core.kl_penalty(logp, ref_logprobs[micro], cfg.kl.kl_estimator), m_)
+                    if a.entropy_coef:
+                        loss = loss - a.entropy_coef * core.masked_mean(ent, m_)
+                    if self.ptx_ids:
+                        ptx = self.ptx_loss(gen)
+                        loss = loss + a.ptx_coef * ptx
+                        stats["ptx"].append(ptx.item())
+                    # separate critic: its own graph and optimiser; shared trunk: weighted sum
+                    loss = loss + (a.vf_coef * vf_loss if self.value_head is not None else vf_loss)
+                    (loss / a.grad_accum).backward()
+                    for key, val in (("approxkl", pg["approxkl"]), ("clipfrac", pg["clipfrac"]), ("pg", pg_loss),
+                                     ("vf", vf_loss), ("vf_clipfrac", vf["clipfrac"]), ("ratio", pg["ratio"]),
+                                     ("entropy", core.masked_mean(ent.detach(), m_))):
+                        stats[key].append(float(val.detach()) if torch.is_tensor(val) else float(val))
+                    epoch_kl.append(float(pg["approxkl"]))
+                if not self.optimizer_step():
+                    skipped += 1
+                    self.warn_once("grad", f"step {step}: non-finite loss or gradient; update skipped")
+            epochs_done += 1
+            # Early stop for the batch once the policy moved too far from the rollout policy.
+            if a.target_kl is not None and sum(epoch_kl) / len(epoch_kl) > a.target_kl:
+                break
+        if not finite:
+            skipped += 1
+        del fused_out
+        t_train = time.perf_counter()
+
+        # 7. Adapt the KL coefficient once per batch; advance the learning-rate schedules.
+        mean_kl = kl.sum(1).mean().item()
+        if math.isfinite(mean_kl):
+            self.kl_ctl.update(mean_kl, a.batch_size)
+        lr, critic_lr = self.actor_sched.get_last_lr()[0], self.critic_sched.get_last_lr()[0]
+        self.actor_sched.step()
+        self.critic_sched.step()
+        self.skipped_total += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+
+        def avg(xs: list[float]) -> float:
+            return sum(xs) / len(xs) if xs else float("nan")
+
+        metrics = {
+            "objective/kl": mean_kl,
+            "objective/kl_coef": beta,
+            "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
+            "objective/scores": scores.mean().item(),
+            "objective/non_score_reward": non_score.sum(1).mean().item(),
+            "objective/rlhf_reward": (scores + non_score.sum(1)).mean().item(),
+            "policy/approxkl_avg": avg(stats["approxkl"]),
+            "policy/clipfrac_avg": avg(stats["clipfrac"]),
+            "policy/entropy_avg": core.masked_mean(entropy, mask).item(),
+            "loss/policy_avg": avg(stats["pg"]),
+            "loss/value_avg": avg(stats["vf"]),
+            "val/clipfrac_avg": avg(stats["vf_clipfrac"]),
+            "val/ratio": avg(stats["ratio"]),
+            "val/vf_explained_var": core.explained_variance(old_values, returns, mask),
+            "val/num_eos_tokens": int((roll.response == self.eos_id).sum()),
+            "adv/var": adv_var,
+            "response/length_mean": roll.lengths.float().mean().item(),
+            "lr": lr,
+            "lr/critic": critic_lr,
+            "ppo/epochs": epochs_done,
+            "guard/skipped_updates": self.skipped_total,
+            "time/rollout_s": t_rollout - t_start,
+            "time/score_s": t_score - t_rollout,
+            "time/train_s": t_train - t_score,
+            "time/step_s": time.perf_counter() - t_start,
+        }
+        if stats["ptx"]:
+            metrics["loss/ptx_avg"] = avg(stats["ptx"])
+        for name, s in parts.items():
+            metrics[name] = s.float().mean().item()
+        samples = []
+        if step % cfg.run.sample_every == 0 or step == a.steps - 1:
+            kl_seq = kl.sum(1)
+            for p, t, s, k, n in zip(prompts, texts, scores.tolist(), kl_seq.tolist(), roll.lengths.tolist()):
+                samples.append({"step": step, "prompt": p.raw, "response": t, "score": s, "kl": k, "length": n})
+        return metrics, samples
+
+    def warn_once(self, key: str, msg: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            print(f"warning: {msg}", file=sys.stderr)
+
+    # ----------------------------------------------------------------------------------------
+    def state(self, next_step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {f"policy.{n}": p for n, p in self.policy.named_parameters() if p.requires_grad}
+        critic_mod = self.value_head if self.value_head is not None else self.critic
+        tensors.update({f"critic.{n}": p for n, p in critic_mod.named_parameters() if p.requires_grad})
+        ta, ma = checkpoint.optimizer_state(self.actor_opt, "actor_opt")
+        tc, mc = checkpoint.optimizer_state(self.critic_opt, "critic_opt")
+        tr, mr = checkpoint.rng_state()
+        tensors.update(ta | tc | tr)
+        meta = {"next_step": next_step, "kl_ctl": self.kl_ctl.state_dict(), "actor_opt": ma, "critic_opt": mc,
+                "actor_sched": self.actor_sched.state_dict(), "critic_sched": self.critic_sched.state_dict(),
+                "rng": mr, "skipped_total": self.skipped_total, "consecutive_skips": self.consecutive_skips}
+        return tensors, meta
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        critic_mod = self.value_head if self.value_head is not None else self.critic
+        with torch.no_grad():
+            for prefix, mod in (("policy.", self.policy), ("critic.", critic_mod)):
+                for n, p in mod.named_parameters():
+                    if p.requires_grad:
+                        p.copy_(tensors[prefix + n])
+        checkpoint.load_optimizer_state(self.actor_opt, "actor_opt", tensors, meta["actor_opt"])
+        checkpoint.load_optimizer_state(self.critic_opt, "critic_opt", tensors, meta["critic_opt"])
+        self.actor_sched.load_state_dict(meta["actor_sched"])
+        self.critic_sched.load_state_dict(meta["critic_sched"])
+        self.kl_ctl.load_state_dict(meta["kl_ctl"])
+        self.skipped_total, self.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
+        checkpoint.set_rng_state(tensors, meta["rng"])
+        self.start_step = meta["next_step"]
+
+    def save_checkpoint(self, next_step: int) -> None:
+        tensors, meta = self.state(next_step)
+        checkpoint.save(self.out / "checkpoints", next_step, tensors, meta, self.cfg.run.keep_last)
+
+    def save_outputs(self) -> None:
+        """policy/ and critic/ in Hugging Face format (safetensors), loadable by plain transformers."""
+        from ppolm.models import save_pretrained
+
+        for n, p in list(self.policy.named_parameters()) + list((self.critic or self.value_head).named_parameters()):
+            if not torch.isfinite(p).all():
+                raise PPOLMError(f"non-finite weights in {n}; not saving them (see metrics.jsonl guard/*)")
+        policy = self.policy
+        if hasattr(policy, "merge_and_unload"):  # LoRA: save the adapter, and the merged model in policy/
+            policy.save_pretrained(str(self.out / "policy_adapter"))
+            policy = policy.merge_and_unload()
+            self.policy = policy
+        save_pretrained(policy, self.tokenizer, self.out / "policy")
+        if self.critic is not None:
+            save_pretrained(self.critic, self.tokenizer, self.out / "critic")
+        else:
+            from safetensors.torch import save_file
+
+            (self.out / "critic").mkdir(exist_ok=True)
+            save_file({k: v.detach().cpu() for k, v in self.value_head.state_dict().items()},
+                      str(self.out / "critic" / "value_head.safetensors"))
+
+    # ----------------------------------------------------------------------------------------
+    def train(self) -> PPOResult:
+        from ppolm import tracking
+
+        cfg = self.cfg
+        if cfg.run.resume:
+            found = checkpoint.load_latest(self.out / "checkpoints")
+            if found:
+                path, tensors, meta = found
+                self.load_state(tensors, meta)
+                print(f"resuming from {path} (step {self.start_step})", file=sys.stderr)
+            else:
+                print(f"no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
+        config.save_yaml(cfg, self.out / "config.yaml")
+        for f in ("metrics.jsonl", "samples.jsonl"):
+            tracking.truncate_rows(self.out / f, self.start_step)
+
+        stop = {"requested": False}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            if stop["requested"]:
+                raise KeyboardInterrupt
+            stop["requested"] = True
+            print("\nstopping after this step to save a checkpoint (Ctrl-C again to abort without saving)",
+                  file=sys.stderr)
+
+        old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+            if _main_thread() else {}
+        tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet)
+        step = self.start_step
+        try:
+            for step in range(self.start_step, cfg.algo.steps):
+                metrics, samples = self.step(step)
+                tracker.log(step, metrics)
+                if samples:
+                    tracker.samples(samples)
+                if self.consecutive_skips >= cfg.run.max_skipped_updates:
+                    raise PPOLMError(f"{self.consecutive_skips} consecutive updates skipped for non-finite rewards, "
+                                     "losses or gradients (last at step " + str(step) + "); check the reward "
+                                     "and lower --actor-lr; resume from the last checkpoint with --resume")
+                last = step + 1 == cfg.algo.steps
+                if (step + 1) % cfg.run.save_every == 0 or last or stop["requested"]:
+                    self.save_checkpoint(step + 1)
+                if stop["requested"] and not last:
+                    break
+        finally:
+            tracker.close()
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+        interrupted = stop["requested"] and step + 1 < cfg.algo.steps
+        if interrupted:
+            print(f"interrupted after step {step + 1}; checkpoint saved. Continue with the same command "
+                  "plus --resume", file=sys.stderr)
+        else:
+            self.save_outputs()
+        return PPOResult(self.out, tracking.read_jsonl(self.out / "metrics.jsonl"), interrupted)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")

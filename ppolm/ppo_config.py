@@ -1,0 +1,220 @@
+"""The configuration of a PPO run (``ppolm ppo``): nested dataclasses, one docstring per field.
+
+Defaults are chosen so that the embedded 135M model learns on a laptop CPU within 40 steps of
+8 rollouts; the comments give the source of each default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ppolm.errors import PPOLMError
+
+
+@dataclass
+class ModelConfig:
+    model: str = "smollm2-135m-instruct"
+    """Policy to train: a Hugging Face model directory, a .gguf file, or an embedded model name. The frozen reference is a copy of it."""
+    critic: Literal["separate", "shared"] = "separate"
+    """Value model: a separate model (OpenRLHF, TRL), or a value head on the policy's own trunk (OpenAI's original; saves memory)."""
+    critic_init: Literal["reward", "policy"] = "reward"
+    """Initialise a separate critic from the (first) reward model (Huang et al. 2024) or from the policy. Falls back to the policy when only reward functions are given."""
+    lora_r: int = 0
+    """LoRA rank for the policy (peft); 0 = full fine-tuning. With LoRA the reference is the policy with its adapter disabled (no second copy)."""
+    lora_alpha: float = 32.0
+    """LoRA scaling alpha."""
+    lora_target: str = "all-linear"
+    """LoRA target modules (peft syntax: 'all-linear' or comma-separated module names)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device: auto picks cuda when available."""
+    precision: Literal["bf16", "fp32"] = "bf16"
+    """bf16: fp32 master weights with bf16 autocast, frozen models stored in bf16 (2x faster on CPUs with AMX and on GPUs). fp32: everything in float32."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside a model directory to run (off: only transformers' own code runs)."""
+    allow_pickle: bool = False
+    """Accept pickle-based weights (.bin/.pt), which can run arbitrary code when loaded. Off: safetensors only."""
+
+
+@dataclass
+class RewardConfig:
+    reward_model: list[str] = field(default_factory=list)
+    """Reward model directory (from `ppolm reward`, or any sequence-classification model with one label). Repeat for an ensemble."""
+    reward_fn: list[str] = field(default_factory=list)
+    """Reward function 'path/to/file.py:function' or 'package.module:function', TRL GRPO convention f(prompts, completions, **kwargs) -> list[float]. Repeatable."""
+    reward_fn_weights: list[float] = field(default_factory=list)
+    """One weight per --reward-fn, in order (default 1 each)."""
+    reward_model_weight: float = 1.0
+    """Weight of the (ensembled) reward-model score in the total score."""
+    reward_ensemble: Literal["mean", "min", "mean-minus-std"] = "mean"
+    """How several reward models combine: mean, min (pessimistic), or mean minus std (penalise disagreement)."""
+    missing_eos_penalty: float | None = None
+    """Score given to responses that never emit EOS, replacing the reward (OpenAI detail 4; e.g. -1). None = off."""
+    length_penalty: float = 0.0
+    """Subtracted from the score per response token (counters length drift)."""
+    whiten_rewards: bool = False
+    """Whiten the per-token rewards over the batch (scale only, mean kept; OpenAI detail 11). Needs batch >= 8."""
+
+
+@dataclass
+class GenerationConfig:
+    response_length: int = 48
+    """Maximum number of new tokens per response."""
+    temperature: float = 0.7
+    """Sampling temperature; log-probs are recomputed from logits divided by it (OpenAI detail 5). 0.7 as in Huang et al. 2024."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off). Anything but 1.0 makes sampling differ from the policy PPO optimises."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    ignore_eos: bool = False
+    """Always generate exactly --response-length tokens, ignoring EOS (as TRL's PPO trainer by default; for comparable benchmarks)."""
+    max_prompt_length: int = 512
+    """Prompts longer than this many tokens are an error."""
+
+
+@dataclass
+class AlgoConfig:
+    steps: int = 40
+    """Number of PPO iterations (rollout batch + update)."""
+    batch_size: int = 8
+    """Rollouts (prompts) per PPO iteration."""
+    minibatches: int = 2
+    """Minibatches per PPO epoch; must divide --batch-size."""
+    grad_accum: int = 1
+    """Gradient-accumulation steps per minibatch; must divide the minibatch size."""
+    ppo_epochs: int = 4
+    """PPO epochs over each rollout batch, freshly shuffled each epoch (OpenAI detail 14)."""
+    clip_eps: float = 0.2
+    """Clip range of the probability ratio in the policy loss."""
+    vf_clip: float = 0.2
+    """Clip range of the value prediction around its old value (OpenAI detail 13)."""
+    vf_coef: float = 0.1
+    """Weight of the value loss when the critic shares the policy's trunk."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    actor_lr: float = 5e-5
+    """Policy learning rate (full fine-tuning of 135M on CPU; LoRA wants ~10x more)."""
+    critic_lr: float = 1e-4
+    """Critic learning rate (separate from the actor's; the seeds suggest ~5x the actor's)."""
+    adam_eps: float = 1e-5
+    """Adam epsilon (1e-5, the TF default of OpenAI's code; detail 16)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (global norm) per model."""
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """Learning-rate schedule: constant, or linear decay to 0 over --steps (OpenAI detail 15)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0 = off)."""
+    whiten_advantages: bool = True
+    """Whiten advantages per batch over real tokens (OpenAI detail 12)."""
+    target_kl: float | None = None
+    """Stop the PPO epochs of a batch early once the approximate KL to the rollout policy exceeds this. None = off."""
+    ptx_coef: float = 0.0
+    """PPO-ptx: weight of a language-modelling loss on --ptx-data mixed into the policy loss (InstructGPT)."""
+    ptx_data: str | None = None
+    """Plain-text corpus for PPO-ptx (.txt, one document per line, or .jsonl with a 'text' column)."""
+
+
+@dataclass
+class KLConfig:
+    kl_coef: float = 0.05
+    """Initial KL coefficient beta (Huang et al. 2024 used 0.05)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token KL estimator: k1 = logp - logp_ref (OpenAI), k2 = squared/2, k3 = exp(-x)-1+x (non-negative)."""
+    kl_in: Literal["reward", "loss"] = "reward"
+    """Fold the KL penalty into the per-token reward (InstructGPT), or add beta*KL to the policy loss."""
+    adaptive_kl: bool = True
+    """Adapt beta to keep KL near --kl-target (Ziegler et al. 2019); off = fixed beta."""
+    kl_target: float = 6.0
+    """Target KL (nats per response, summed over tokens) for the adaptive controller."""
+    kl_horizon: int = 10000
+    """Horizon of the adaptive controller, in rollouts."""
+
+
+@dataclass
+class RunConfig:
+    prompts: str | None = None
+    """Prompts: .jsonl/.json ('prompt' text or 'messages' chat list), .txt (one per line), .parquet, or a saved datasets directory. Default: a built-in prompt set."""
+    chat_template: bool = True
+    """Apply the tokenizer's chat template to text prompts (messages prompts always use it)."""
+    output_dir: str = "runs/ppo"
+    """Where the policy, critic, config, metrics, samples, TensorBoard events and checkpoints go."""
+    seed: int = 0
+    """Random seed (each data-parallel rank adds its rank)."""
+    sample_every: int = 5
+    """Write samples (prompt, response, score, KL) to samples.jsonl every N steps."""
+    save_every: int = 10
+    """Write a resumable checkpoint every N steps (and at the end, and on Ctrl-C)."""
+    keep_last: int = 2
+    """Keep only the newest K checkpoints."""
+    resume: bool = False
+    """Continue from the newest valid checkpoint in --output-dir."""
+    overwrite: bool = False
+    """Allow writing into an --output-dir that holds a different run (its files are replaced)."""
+    max_skipped_updates: int = 3
+    """Abort after this many consecutive updates skipped for non-finite rewards, losses or gradients."""
+    quiet: bool = False
+    """No progress bar; one log line per step instead."""
+
+
+@dataclass
+class PPOConfig:
+    """Everything a PPO run needs. Build one in Python and pass it to :func:`ppolm.train_ppo`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> None:
+        """Reject impossible combinations with one line each; derived sizes are properties."""
+        a, g, k, r = self.algo, self.generation, self.kl, self.reward
+
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise PPOLMError(msg)
+
+        for name, v in [("steps", a.steps), ("batch-size", a.batch_size), ("minibatches", a.minibatches),
+                        ("grad-accum", a.grad_accum), ("ppo-epochs", a.ppo_epochs),
+                        ("response-length", g.response_length), ("max-prompt-length", g.max_prompt_length),
+                        ("sample-every", self.run.sample_every), ("save-every", self.run.save_every),
+                        ("keep-last", self.run.keep_last), ("max-skipped-updates", self.run.max_skipped_updates)]:
+            need(v >= 1, f"--{name} must be at least 1; got {v}")
+        need(a.batch_size % a.minibatches == 0,
+             f"--batch-size {a.batch_size} is not divisible by --minibatches {a.minibatches}; "
+             f"choose a divisor such as {max(d for d in range(1, a.minibatches + 1) if a.batch_size % d == 0)}")
+        need(self.minibatch_size % a.grad_accum == 0,
+             f"the minibatch size {self.minibatch_size} is not divisible by --grad-accum {a.grad_accum}")
+        need(g.temperature > 0, f"--temperature must be > 0; got {g.temperature}")
+        need(0 < g.top_p <= 1, f"--top-p must be in (0, 1]; got {g.top_p}")
+        need(g.top_k >= 0, f"--top-k must be >= 0; got {g.top_k}")
+        need(0 < a.clip_eps < 1, f"--clip-eps must be in (0, 1); got {a.clip_eps}")
+        need(a.vf_clip > 0, f"--vf-clip must be > 0; got {a.vf_clip}")
+        need(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "--gamma and --lam must be in [0, 1]")
+        need(a.actor_lr > 0 and a.critic_lr > 0, "--actor-lr and --critic-lr must be > 0")
+        need(a.adam_eps > 0 and a.max_grad_norm > 0, "--adam-eps and --max-grad-norm must be > 0")
+        need(k.kl_coef >= 0, f"--kl-coef must be >= 0; got {k.kl_coef}")
+        need(k.kl_target > 0 and k.kl_horizon > 0, "--kl-target and --kl-horizon must be > 0")
+        need(self.model.lora_r >= 0, f"--lora-r must be >= 0; got {self.model.lora_r}")
+        need(a.target_kl is None or a.target_kl > 0, "--target-kl must be > 0 (or none)")
+        need(a.ptx_coef >= 0, "--ptx-coef must be >= 0")
+        need(a.ptx_coef == 0 or a.ptx_data is not None, "--ptx-coef > 0 needs --ptx-data FILE (a text corpus)")
+        need(not r.reward_fn_weights or len(r.reward_fn_weights) == len(r.reward_fn),
+             f"--reward-fn-weights has {len(r.reward_fn_weights)} values for {len(r.reward_fn)} --reward-fn; give one per function")
+        need(r.length_penalty >= 0, "--length-penalty must be >= 0")
+        need(not (self.model.critic == "shared" and self.model.lora_r > 0),
+             "--critic shared with --lora-r > 0 is not supported; use --critic separate")
+        need(not (self.run.resume and self.run.overwrite), "--resume and --overwrite exclude each other; pick one")
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.algo.batch_size // self.algo.minibatches
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.minibatch_size // self.algo.grad_accum

