@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from ppolm.errors import PPOLMError
 
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    # name: (module, config class, help)
-    "ppo": ("ppolm.ppo_config", "PPOConfig", "train a policy with PPO against reward models and/or reward functions"),
+    # name: ("config.module:ConfigClass", "runner.module:function(cfg) -> exit code", help)
+    "ppo": ("ppolm.ppo_config:PPOConfig", "ppolm.cli:run_ppo",
+            "train a policy with PPO against reward models and/or reward functions"),
 }
 
 
@@ -42,9 +42,6 @@ def run_ppo(cfg: Any) -> int:
     return 0
 
 
-RUNNERS: dict[str, Callable[[Any], int]] = {"ppo": run_ppo}
-
-
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
@@ -53,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ppolm", description="RLHF with PPO for language models, on a CPU or GPU.")
     parser.add_argument("--version", action="version", version=f"ppolm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, cls_name, help_text) in COMMANDS.items():
+    for name, (cls_spec, _runner, help_text) in COMMANDS.items():
+        module, _, cls_name = cls_spec.partition(":")
         cls = getattr(importlib.import_module(module), cls_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (flat or by section); "
@@ -70,11 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        import importlib
+
         from ppolm import config
 
         cfg = config.from_cli(args._cfg_cls, args, args.command)
         _quiet_libraries()
-        return RUNNERS[args.command](cfg)
+        module, _, fn = COMMANDS[args.command][1].partition(":")
+        return getattr(importlib.import_module(module), fn)(cfg)
     except PPOLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -132,7 +132,7 @@ def _type_name(t: Any) -> str:
         s = f"list[{_type_name(get_args(inner)[0])}]"
     else:
         s = getattr(inner, "__name__", str(inner))
-    return s + (" or none" if optional else "")
+    return s + ("|none" if optional else "")
 
 
 def unknown_key(name: str, known: list[str], where: str) -> PPOLMError:
