@@ -28,8 +28,8 @@ from ppolm import rollout as ro
 from ppolm.errors import PPOLMError
 from ppolm.ppo_config import PPOConfig
 
-OUTPUTS = ("policy", "critic", "checkpoints", "tensorboard", "metrics.jsonl", "samples.jsonl", "config.yaml",
-           "report.html", "plots")
+OUTPUTS = ("policy", "policy_adapter", "critic", "checkpoints", "tensorboard", "metrics.jsonl", "samples.jsonl",
+           "eval.jsonl", "eval_samples.jsonl", "best", "best.json", "config.yaml", "report.html", "plots")
 
 
 @dataclass
@@ -177,6 +177,14 @@ class PPOTrainer:
         self.prompts = load_prompts(cfg.run.prompts, self.tokenizer, chat_template=cfg.run.chat_template,
                                     max_length=cfg.generation.max_prompt_length, context_length=ctx,
                                     response_length=cfg.generation.response_length)
+        self.eval_prompts = None
+        if cfg.run.eval_prompts is not None:
+            self.eval_prompts = load_prompts(cfg.run.eval_prompts, self.tokenizer, chat_template=cfg.run.chat_template,
+                                             max_length=cfg.generation.max_prompt_length, context_length=ctx,
+                                             response_length=cfg.generation.response_length)
+        self.eval_functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), 1.0)
+                               for s in cfg.run.eval_reward_fn]
+        self.best_value = -math.inf
         self.ptx_ids = None
         if a.ptx_coef > 0:
             texts = load_text_corpus(a.ptx_data)  # type: ignore[arg-type]
@@ -239,14 +247,16 @@ class PPOTrainer:
             return ro.logprobs(self.reference, roll, t)
 
     @torch.no_grad()
-    def score(self, roll: ro.Rollout, prompts: list[Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
+    def score(self, roll: ro.Rollout, prompts: list[Any], rewarder: Any = None
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
         """Score each full prompt+response once; (B,) total plus each source's (B,)."""
+        rewarder = rewarder or self.rewarder
         texts = self.tokenizer.batch_decode(roll.response * roll.response_mask + self.pad_id * (1 - roll.response_mask),
                                             skip_special_tokens=True)
 
         def rm_scores(rm: Any) -> torch.Tensor:
             with self.autocast():
-                if self.rm_same_vocab[self.rewarder.models.index(rm)]:
+                if self.rm_same_vocab[rewarder.models.index(rm)]:
                     return rm.score_ids(roll.input_ids, roll.attention_mask)
                 full = self.tokenizer.batch_decode(
                     [row[mask.bool()] for row, mask in zip(roll.input_ids, roll.attention_mask)])
@@ -254,7 +264,7 @@ class PPOTrainer:
 
         keys = sorted({k for p in prompts for k in p.extra})
         columns = {k: [p.extra.get(k) for p in prompts] for k in keys}
-        total, parts = self.rewarder.score(model_inputs=rm_scores, prompts=[p.raw for p in prompts],
+        total, parts = rewarder.score(model_inputs=rm_scores, prompts=[p.raw for p in prompts],
                                            completions=texts, columns=columns)
         return total.to(self.device), parts, texts
 
@@ -441,6 +451,89 @@ class PPOTrainer:
             print(f"warning: {msg}", file=sys.stderr)
 
     # ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, updates: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Score the held-out prompts with every training source, the eval-only scorers and the KL
+        to the reference. Sampling uses its own seed inside ``fork_rng`` so the training RNG stream,
+        and hence resume, is unaffected."""
+        from ppolm.rewards import Rewarder
+
+        g, cfg = self.cfg.generation, self.cfg
+        scorer = Rewarder(self.rewarder.models, self.rewarder.functions + self.eval_functions,
+                          model_weight=self.rewarder.model_weight, ensemble_rule=self.rewarder.ensemble_rule)
+        n_train = len(self.rewarder.functions)
+        totals, all_parts, kls, lengths, rows = [], {}, [], [], []
+        self.policy.eval()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.run.seed + 1_000_003)
+            for i in range(0, len(self.eval_prompts), cfg.algo.batch_size):
+                prompts = self.eval_prompts[i:i + cfg.algo.batch_size]
+                with self.autocast():
+                    roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
+                                       max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
+                                       top_k=g.top_k, ignore_eos=g.ignore_eos)
+                    logp = ro.logprobs(self.policy, roll, g.temperature)
+                ref = self.reference_logprobs(roll)
+                kl = (core.kl_penalty(logp, ref, cfg.kl.kl_estimator) * roll.response_mask).sum(1)
+                _, parts, texts = self.score(roll, prompts, scorer)
+                # the training score excludes the eval-only scorers' weights
+                total = sum((parts[f"reward/{f.name}"] * f.weight for f in scorer.functions[:n_train]),
+                            torch.zeros(len(prompts)))
+                if self.rewarder.models:
+                    total = total + self.rewarder.model_weight * parts[_ensemble_key(self.rewarder)]
+                totals.append(total)
+                for k, v in parts.items():
+                    all_parts.setdefault(k, []).append(v)
+                kls.append(kl.float().cpu())
+                lengths.append(roll.lengths.float().cpu())
+                for j, (p, t) in enumerate(zip(prompts, texts)):
+                    rows.append({"step": updates, "prompt": p.raw, "response": t,
+                                 "scores": {k.removeprefix("reward/"): float(v[j]) for k, v in parts.items()},
+                                 "score": float(total[j]), "kl": float(kl[j])})
+        self.policy.train()
+
+        def mean_se(xs: list[torch.Tensor]) -> tuple[float, float]:
+            x = torch.cat(xs).float()
+            return x.mean().item(), (x.std().item() / math.sqrt(len(x)) if len(x) > 1 else 0.0)
+
+        metrics: dict[str, Any] = {"updates": updates}
+        metrics["eval/score"], metrics["eval/score_se"] = mean_se(totals)
+        for k, v in all_parts.items():
+            name = "eval/" + k.removeprefix("reward/")
+            metrics[name], metrics[name + "_se"] = mean_se(v)
+        metrics["eval/kl"], metrics["eval/kl_se"] = mean_se(kls)
+        metrics["eval/length_mean"] = torch.cat(lengths).mean().item()
+        return metrics, rows
+
+    def maybe_keep_best(self, updates: int, metrics: dict[str, Any]) -> None:
+        """Save the policy to best/ when the chosen eval metric improves (e.g. a gold judge)."""
+        import json
+
+        from ppolm.models import save_pretrained
+
+        name = self.cfg.run.best_metric
+        if name is None:
+            return
+        if name not in metrics:
+            raise PPOLMError(f"--best-metric {name} is not an eval metric; choose one of "
+                             f"{', '.join(k for k in metrics if k.startswith('eval/') and not k.endswith('_se'))}")
+        if metrics[name] > self.best_value:
+            self.best_value = metrics[name]
+            best = self.out / "best"
+            if hasattr(self.policy, "merge_and_unload"):
+                self.policy.save_pretrained(str(best / "policy_adapter"))
+            else:
+                save_pretrained(self.policy, self.tokenizer, best / "policy")
+            (self.out / "best.json").write_text(json.dumps(
+                {"step": updates, "metric": name, "value": metrics[name], "se": metrics.get(name + "_se"),
+                 "kl": metrics["eval/kl"]}, indent=2))
+
+    def run_eval(self, updates: int, tracker: Any) -> None:
+        metrics, rows = self.evaluate(updates)
+        tracker.log_eval(updates, metrics, rows)
+        self.maybe_keep_best(updates, metrics)
+
+    # ----------------------------------------------------------------------------------------
     def state(self, next_step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors = {f"policy.{n}": p for n, p in self.policy.named_parameters() if p.requires_grad}
         critic_mod = self.value_head if self.value_head is not None else self.critic
@@ -512,6 +605,12 @@ class PPOTrainer:
         config.save_yaml(cfg, self.out / "config.yaml")
         for f in ("metrics.jsonl", "samples.jsonl"):
             tracking.truncate_rows(self.out / f, self.start_step)
+        for f in ("eval.jsonl", "eval_samples.jsonl"):  # keyed by updates done: the start's eval is kept
+            tracking.truncate_rows(self.out / f, self.start_step + 1)
+        if cfg.run.best_metric and (self.out / "best.json").exists():
+            import json
+
+            self.best_value = json.loads((self.out / "best.json").read_text())["value"]
 
         stop = {"requested": False}
 
@@ -526,7 +625,10 @@ class PPOTrainer:
             if _main_thread() else {}
         tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet)
         step = self.start_step
+        evaluating = self.eval_prompts is not None
         try:
+            if evaluating and self.start_step == 0:
+                self.run_eval(0, tracker)
             for step in range(self.start_step, cfg.algo.steps):
                 metrics, samples = self.step(step)
                 tracker.log(step, metrics)
@@ -537,6 +639,8 @@ class PPOTrainer:
                                      "losses or gradients (last at step " + str(step) + "); check the reward "
                                      "and lower --actor-lr; resume from the last checkpoint with --resume")
                 last = step + 1 == cfg.algo.steps
+                if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
+                    self.run_eval(step + 1, tracker)
                 if (step + 1) % cfg.run.save_every == 0 or last or stop["requested"]:
                     self.save_checkpoint(step + 1)
                 if stop["requested"] and not last:
@@ -552,6 +656,13 @@ class PPOTrainer:
         else:
             self.save_outputs()
         return PPOResult(self.out, tracking.read_jsonl(self.out / "metrics.jsonl"), interrupted)
+
+
+def _ensemble_key(rewarder: Any) -> str:
+    """The parts key holding the (ensembled) reward-model score."""
+    if len(rewarder.models) == 1:
+        return f"reward/{rewarder.models[0].name}"
+    return f"reward/ensemble_{rewarder.ensemble_rule}"
 
 
 def _main_thread() -> bool:

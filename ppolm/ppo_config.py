@@ -158,6 +158,14 @@ class RunConfig:
     """Abort after this many consecutive updates skipped for non-finite rewards, losses or gradients."""
     quiet: bool = False
     """No progress bar; one log line per step instead."""
+    eval_prompts: str | None = None
+    """Held-out prompts scored before training and every --eval-every steps (same formats as --prompts); results in eval.jsonl (one row per evaluation, step = updates done, eval/<source> means and eval/<source>_se standard errors, eval/kl) and eval_samples.jsonl."""
+    eval_every: int = 5
+    """Evaluate on --eval-prompts every N PPO steps (and before the first and after the last)."""
+    eval_reward_fn: list[str] = field(default_factory=list)
+    """Extra scorers used only for evaluation, never for training (e.g. a gold judge): 'file.py:fn' or 'module:fn'."""
+    best_metric: str | None = None
+    """Keep the policy that maximises this eval metric (e.g. eval/gold_judge) in best/ with best.json."""
 
 
 @dataclass
@@ -183,7 +191,8 @@ class PPOConfig:
                         ("grad-accum", a.grad_accum), ("ppo-epochs", a.ppo_epochs),
                         ("response-length", g.response_length), ("max-prompt-length", g.max_prompt_length),
                         ("sample-every", self.run.sample_every), ("save-every", self.run.save_every),
-                        ("keep-last", self.run.keep_last), ("max-skipped-updates", self.run.max_skipped_updates)]:
+                        ("keep-last", self.run.keep_last), ("max-skipped-updates", self.run.max_skipped_updates),
+                        ("eval-every", self.run.eval_every)]:
             need(v >= 1, f"--{name} must be at least 1; got {v}")
         need(a.batch_size % a.minibatches == 0,
              f"--batch-size {a.batch_size} is not divisible by --minibatches {a.minibatches}; "
@@ -210,6 +219,10 @@ class PPOConfig:
         need(not (self.model.critic == "shared" and self.model.lora_r > 0),
              "--critic shared with --lora-r > 0 is not supported; use --critic separate")
         need(not (self.run.resume and self.run.overwrite), "--resume and --overwrite exclude each other; pick one")
+        need(self.run.eval_prompts is not None or not (self.run.eval_reward_fn or self.run.best_metric),
+             "--eval-reward-fn and --best-metric need --eval-prompts FILE")
+        need(not (g.ignore_eos and r.missing_eos_penalty is not None),
+             "--missing-eos-penalty with --ignore-eos would penalise every response; drop one of them")
 
     @property
     def minibatch_size(self) -> int:

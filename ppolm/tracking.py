@@ -85,6 +85,18 @@ class Tracker:
             print(f"step {step + 1}/{self.total}  {live}  {el:.0f}s elapsed, eta {eta:.0f}s", file=sys.stderr,
                   flush=True)
 
+    def log_eval(self, updates: int, metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        """Held-out evaluation after ``updates`` PPO steps: eval.jsonl, eval_samples.jsonl, TensorBoard."""
+        with open(self.out / "eval.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": updates, **{k: _clean(v) for k, v in metrics.items()}}) + "\n")
+        with open(self.out / "eval_samples.jsonl", "a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        for k, v in metrics.items():
+            if k.startswith("eval/") and isinstance(v, (int, float)) and math.isfinite(v):
+                self.tb.add_scalar(k, v, updates)
+        self.tb.flush()
+
     def samples(self, rows: list[dict[str, Any]]) -> None:
         with open(self.samples_path, "a", encoding="utf-8") as f:
             for r in rows:

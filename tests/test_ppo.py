@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from ppolm import config, core
 from ppolm import rollout as ro
+from ppolm.errors import PPOLMError
 from ppolm.ppo import PPOTrainer, train_ppo
 from ppolm.ppo_config import PPOConfig
 
@@ -162,12 +163,14 @@ def test_trl_convention_chat_prompts_and_extra_columns(tiny_policy_dir, tmp_path
 
 
 def test_missing_eos_and_length_penalties(tiny_policy_dir, tmp_path, reward_file):
-    cfg = make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, steps=1, ignore_eos=True,
-                   missing_eos_penalty=-3.0, length_penalty=0.25)
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, steps=1, missing_eos_penalty=-3.0,
+                   length_penalty=0.25)
     metrics, samples = PPOTrainer(cfg).step(0)
-    # ignore_eos: every response has 8 tokens and no EOS, so score = -3 - 0.25*8 = -5 for all
-    assert metrics["response/length_mean"] == 8
+    # the random tiny model never emits EOS in 8 tokens: score = -3 - 0.25*8 = -5 for all
+    assert metrics["response/length_mean"] == 8 and metrics["val/num_eos_tokens"] == 0
     assert [s["score"] for s in samples] == pytest.approx([-5.0] * 4)
+    with pytest.raises(PPOLMError, match="ignore-eos"):
+        make_cfg(tiny_policy_dir, tmp_path / "run2", reward_file, ignore_eos=True, missing_eos_penalty=-1.0)
 
 
 def test_lora_shared_and_kl_in_loss_variants(tiny_policy_dir, tmp_path, reward_file):
@@ -225,3 +228,26 @@ def test_help_documents_every_option(capsys):
         flag = "--" + name.replace("_", "-")
         assert flag in text, flag
     assert "Number of PPO iterations" in text and "default: 40" in text
+
+
+def test_heldout_eval_with_eval_only_scorer_and_best_checkpoint(tiny_policy_dir, tmp_path, reward_file):
+    held = tmp_path / "held.txt"
+    held.write_text("Say something.\nName a colour.\nCount to three.\n")
+    gold = tmp_path / "gold.py"
+    gold.write_text("def gold(prompts, completions, **kw):\n    return [-abs(len(c) - 20) / 10 for c in completions]\n")
+    out = tmp_path / "run"
+    cfg = make_cfg(tiny_policy_dir, out, reward_file, steps=3, eval_prompts=str(held), eval_every=2,
+                   eval_reward_fn=[f"{gold}:gold"], best_metric="eval/gold")
+    train_ppo(cfg)
+    rows = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 2, 3]  # before training, every 2 updates, after the last
+    for r in rows:
+        assert {"eval/gold", "eval/gold_se", "eval/words", "eval/score", "eval/kl", "eval/length_mean"} <= set(r)
+        assert r["eval/score"] == pytest.approx(r["eval/words"], abs=1e-6)  # the gold judge is eval-only
+    assert rows[0]["eval/kl"] == pytest.approx(0.0, abs=1e-5)
+    samples = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 9 and set(samples[0]["scores"]) == {"words", "gold"}
+    best = json.loads((out / "best.json").read_text())
+    assert best["value"] == max(r["eval/gold"] for r in rows)
+    assert best["step"] == max(rows, key=lambda r: r["eval/gold"])["step"]
+    assert (out / "best" / "policy" / "model.safetensors").is_file()
