@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import shutil
 import signal
@@ -60,16 +61,29 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_output_dir(out: Path, cfg: PPOConfig) -> None:
-    """Refuse to mix runs: an existing non-empty dir needs --resume (same config) or --overwrite."""
+def prepare_output_dir(out: Path, cfg: PPOConfig, commit: bool = False) -> None:
+    """Refuse to mix runs: an existing non-empty dir needs --resume (same config) or --overwrite.
+
+    Without ``commit`` this only checks (nothing on disk changes, so a bad input found later leaves
+    the directory as it was); ``commit=True``, called once the first step has succeeded, removes
+    the previous run's outputs (--overwrite) and creates the directory.
+    """
     if out.exists() and not out.is_dir():
         raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
-    if out.is_dir() and any(out.iterdir()):
-        saved = out / "config.yaml"
-        if cfg.run.overwrite:
+    if commit:
+        if cfg.run.overwrite and out.is_dir():
             for name in OUTPUTS:
                 p = out / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
+        return
+    if out.is_dir() and any(out.iterdir()):
+        saved = out / "config.yaml"
+        if cfg.run.overwrite:
+            pass  # replaced at commit, after the first step succeeded
         elif cfg.run.resume:
             if not saved.exists():
                 raise PPOLMError(f"--output-dir {out} does not hold a ppolm run (no config.yaml); "
@@ -81,13 +95,18 @@ def prepare_output_dir(out: Path, cfg: PPOConfig) -> None:
         else:
             raise PPOLMError(f"--output-dir {out} already holds files; pass --resume to continue that run, "
                              "--overwrite to replace it, or choose a new directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PPOLMError(f"cannot create --output-dir {out} ({parent} is a file); choose a writable path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PPOLMError(f"cannot write to --output-dir {out} (permission denied on {parent}); "
+                         "choose a writable path")
 
 
-RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "save_every", "keep_last", "sample_every"}
+RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "save_every", "keep_last", "sample_every",
+               "max_skipped_updates"}
 
 
 def config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
@@ -98,7 +117,8 @@ def config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
         for k, v in vals.items():
             if k in RUN_CONTROL:
                 continue
-            old = saved.get(sec, {}).get(k, v)
+            section = saved.get(sec, {}) if isinstance(saved, dict) else {}
+            old = section.get(k, v) if isinstance(section, dict) else None
             if old != v:
                 return f"{k}: {old!r} then, {v!r} now"
     return ""
@@ -118,7 +138,10 @@ class PPOTrainer:
         self.device = resolve_device(m.device)
         self.bf16 = m.precision == "bf16"
         frozen_dtype = torch.bfloat16 if self.bf16 else torch.float32
-        seed_everything(cfg.run.seed)
+        # Data-parallel readiness (torchrun sets RANK/WORLD_SIZE): a different seed per rank (OpenAI
+        # detail 17) and a disjoint slice of the prompts; no other global state.
+        self.rank, self.world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        seed_everything(cfg.run.seed + self.rank)
 
         # The reward comes first: a wrong spec should fail before minutes of model loading.
         specs = list(cfg.reward.reward_fn)
@@ -216,8 +239,9 @@ class PPOTrainer:
     def prompt_batch(self, step: int) -> list[Any]:
         """Prompts of a step: a fresh seeded permutation per pass over the data (resume-safe)."""
         n, b = len(self.prompts), self.cfg.algo.batch_size
+        first = (step * self.world_size + self.rank) * b  # rank r takes the r-th slice of the global batch
         out = []
-        for i in range(step * b, (step + 1) * b):
+        for i in range(first, first + b):
             epoch, j = divmod(i, n)
             g = torch.Generator().manual_seed(self.cfg.run.seed * 100003 + epoch)
             out.append(self.prompts[int(torch.randperm(n, generator=g)[j])])
@@ -347,7 +371,9 @@ class PPOTrainer:
         # 6. PPO epochs: fresh shuffle each epoch, minibatches, gradient accumulation, clipped losses.
         finite = bool(torch.isfinite(scores).all())
         if not finite:
-            self.warn_once("reward", f"step {step}: non-finite reward (NaN/inf) from the reward; update skipped")
+            bad = [k.removeprefix("reward/") for k, v in parts.items() if not torch.isfinite(v).all()] or ["penalties"]
+            self.skip_cause = f"non-finite reward (NaN/inf) from {', '.join(bad)}"
+            self.warn_once("reward", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
         stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "clipfrac", "pg", "vf", "vf_clipfrac",
                                                          "ratio", "entropy", "ptx")}
         skipped, epochs_done = 0, 0
@@ -384,7 +410,8 @@ class PPOTrainer:
                     epoch_kl.append(float(pg["approxkl"]))
                 if not self.optimizer_step():
                     skipped += 1
-                    self.warn_once("grad", f"step {step}: non-finite loss or gradient; update skipped")
+                    self.skip_cause = "non-finite loss or gradient"
+                    self.warn_once("grad", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
             epochs_done += 1
             # Early stop for the batch once the policy moved too far from the rollout policy.
             if a.target_kl is not None and sum(epoch_kl) / len(epoch_kl) > a.target_kl:
@@ -571,47 +598,49 @@ class PPOTrainer:
         """policy/ and critic/ in Hugging Face format (safetensors), loadable by plain transformers."""
         from ppolm.models import save_pretrained
 
-        for n, p in list(self.policy.named_parameters()) + list((self.critic or self.value_head).named_parameters()):
-            if not torch.isfinite(p).all():
-                raise PPOLMError(f"non-finite weights in {n}; not saving them (see metrics.jsonl guard/*)")
+        bad = checkpoint.first_non_finite(self.trained_parameters())
+        if bad:
+            raise PPOLMError(f"non-finite weights in {bad}; not saving them (see metrics.jsonl guard/*)")
         policy = self.policy
+        # each output directory is written beside its final name, then swapped in (a full disk leaves
+        # the previous one, and the checkpoints, intact)
         if hasattr(policy, "merge_and_unload"):  # LoRA: save the adapter, and the merged model in policy/
-            policy.save_pretrained(str(self.out / "policy_adapter"))
+            with checkpoint.atomic_dir(self.out / "policy_adapter") as tmp:
+                policy.save_pretrained(str(tmp))
             policy = policy.merge_and_unload()
             self.policy = policy
-        save_pretrained(policy, self.tokenizer, self.out / "policy")
-        if self.critic is not None:
-            save_pretrained(self.critic, self.tokenizer, self.out / "critic")
-        else:
-            from safetensors.torch import save_file
+        with checkpoint.atomic_dir(self.out / "policy") as tmp:
+            save_pretrained(policy, self.tokenizer, tmp)
+        with checkpoint.atomic_dir(self.out / "critic") as tmp:
+            if self.critic is not None:
+                save_pretrained(self.critic, self.tokenizer, tmp)
+            else:
+                from safetensors.torch import save_file
 
-            (self.out / "critic").mkdir(exist_ok=True)
-            save_file({k: v.detach().cpu() for k, v in self.value_head.state_dict().items()},
-                      str(self.out / "critic" / "value_head.safetensors"))
+                save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
+                          str(tmp / "value_head.safetensors"))
 
     # ----------------------------------------------------------------------------------------
     def train(self) -> PPOResult:
         from ppolm import tracking
 
         cfg = self.cfg
+        # a skipped (non-finite) update still advances the schedules, on purpose: resume-exact
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if cfg.run.resume:
             found = checkpoint.load_latest(self.out / "checkpoints")
             if found:
                 path, tensors, meta = found
-                self.load_state(tensors, meta)
+                try:
+                    self.load_state(tensors, meta)
+                except (KeyError, RuntimeError, ValueError, TypeError) as e:
+                    raise PPOLMError(f"checkpoint {path} does not match this model or version "
+                                     f"({type(e).__name__}: {str(e)[:120]}); resume with the same --model, "
+                                     "or start again with --overwrite") from None
                 print(f"resuming from {path} (step {self.start_step})", file=sys.stderr)
             else:
                 print(f"no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
-        config.save_yaml(cfg, self.out / "config.yaml")
-        for f in ("metrics.jsonl", "samples.jsonl"):
-            tracking.truncate_rows(self.out / f, self.start_step)
-        for f in ("eval.jsonl", "eval_samples.jsonl"):  # keyed by updates done: the start's eval is kept
-            tracking.truncate_rows(self.out / f, self.start_step + 1)
-        if cfg.run.best_metric and (self.out / "best.json").exists():
-            import json
-
-            self.best_value = json.loads((self.out / "best.json").read_text())["value"]
-
+        evaluating = self.eval_prompts is not None
         stop = {"requested": False}
 
         def on_signal(signum: int, frame: Any) -> None:
@@ -623,21 +652,52 @@ class PPOTrainer:
 
         old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
             if _main_thread() else {}
-        tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet)
-        step = self.start_step
-        evaluating = self.eval_prompts is not None
         try:
-            if evaluating and self.start_step == 0:
-                self.run_eval(0, tracker)
+            # The first eval and step run before anything is written: a reward function that raises
+            # or returns garbage fails with the output directory exactly as it was.
+            first_eval = self.evaluate(0) if evaluating and self.start_step == 0 else None
+            first = self.step(self.start_step) if self.start_step < cfg.algo.steps else None
+            prepare_output_dir(self.out, cfg, commit=True)
+            config.save_yaml(cfg, self.out / "config.yaml")
+            for f in ("metrics.jsonl", "samples.jsonl"):
+                tracking.truncate_rows(self.out / f, self.start_step)
+            for f in ("eval.jsonl", "eval_samples.jsonl"):  # keyed by updates done: the start's eval is kept
+                tracking.truncate_rows(self.out / f, self.start_step + 1)
+        except OSError as e:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            raise checkpoint.disk_error(e, self.out) from None
+        except BaseException:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            raise
+        if cfg.run.best_metric and (self.out / "best.json").exists():
+            import json
+
+            self.best_value = json.loads((self.out / "best.json").read_text())["value"]
+
+        tracker = None
+        step = self.start_step
+        try:
+            tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet)
+            if first_eval is not None:
+                tracker.log_eval(0, *first_eval)
+                self.maybe_keep_best(0, first_eval[0])
             for step in range(self.start_step, cfg.algo.steps):
-                metrics, samples = self.step(step)
+                metrics, samples = first if step == self.start_step else self.step(step)
+                first = None
                 tracker.log(step, metrics)
                 if samples:
                     tracker.samples(samples)
                 if self.consecutive_skips >= cfg.run.max_skipped_updates:
-                    raise PPOLMError(f"{self.consecutive_skips} consecutive updates skipped for non-finite rewards, "
-                                     "losses or gradients (last at step " + str(step) + "); check the reward "
-                                     "and lower --actor-lr; resume from the last checkpoint with --resume")
+                    raise PPOLMError(f"{self.consecutive_skips} consecutive updates skipped (last at step {step}: "
+                                     f"{getattr(self, 'skip_cause', 'non-finite values')}); fix the reward or lower --actor-lr, then continue "
+                                     "from the last checkpoint with --resume")
+                bad = checkpoint.first_non_finite(self.trained_parameters())
+                if bad:
+                    raise PPOLMError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "
+                                     "Lower --actor-lr/--critic-lr and continue from the last checkpoint with "
+                                     "--resume")
                 last = step + 1 == cfg.algo.steps
                 if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
                     self.run_eval(step + 1, tracker)
@@ -645,8 +705,11 @@ class PPOTrainer:
                     self.save_checkpoint(step + 1)
                 if stop["requested"] and not last:
                     break
+        except OSError as e:
+            raise checkpoint.disk_error(e, self.out) from None
         finally:
-            tracker.close()
+            if tracker is not None:
+                tracker.close()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
         interrupted = stop["requested"] and step + 1 < cfg.algo.steps
@@ -654,8 +717,17 @@ class PPOTrainer:
             print(f"interrupted after step {step + 1}; checkpoint saved. Continue with the same command "
                   "plus --resume", file=sys.stderr)
         else:
-            self.save_outputs()
+            try:
+                self.save_outputs()
+            except OSError as e:
+                raise checkpoint.disk_error(e, self.out, "the final policy/critic") from None
         return PPOResult(self.out, tracking.read_jsonl(self.out / "metrics.jsonl"), interrupted)
+
+    def trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, parameter) of everything trained: the policy and the critic or value head."""
+        critic_mod = self.value_head if self.value_head is not None else self.critic
+        return [(f"policy.{n}", p) for n, p in self.policy.named_parameters() if p.requires_grad] + \
+            [(f"critic.{n}", p) for n, p in critic_mod.named_parameters() if p.requires_grad]
 
 
 def _ensemble_key(rewarder: Any) -> str:

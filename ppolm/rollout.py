@@ -81,7 +81,7 @@ def generate(policy: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, 
     """
     device = next(policy.parameters()).device
     query, query_mask = left_pad(prompts, pad_id, device)
-    kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None,
+    kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,  # top_k 0 = off
                   max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id, use_cache=True)
     if ignore_eos:
         kwargs["min_new_tokens"] = max_new_tokens
