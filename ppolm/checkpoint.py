@@ -10,13 +10,15 @@ checkpoint whose manifest does not match its files is skipped with a warning on 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import random
 import shutil
-import warnings
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,44 +105,106 @@ def load_optimizer_state(opt: torch.optim.Optimizer, prefix: str, tensors: dict[
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def save(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep_last: int) -> Path:
-    """Write checkpoint ``root/step-NNNNNN`` atomically; keep the newest ``keep_last``."""
-    from safetensors.torch import save_file
+DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+               errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+               errno.EROFS: "read-only file system"}
 
-    for k, v in tensors.items():
-        if v.is_floating_point() and not torch.isfinite(v).all():
-            raise PPOLMError(f"refusing to save a checkpoint with non-finite values in {k}")
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:06d}"
-    tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+
+def disk_error(e: OSError, where: Path, what: str = "") -> BaseException:
+    """A full disk or a permission problem as one PPOLMError line; any other OSError unchanged."""
+    why = DISK_ERRNOS.get(e.errno or 0)
+    if why is None:
+        return e
+    thing = what or "outputs"
+    return PPOLMError(f"{why} while writing {thing} in {where} ({e.filename or where}); free space or choose a "
+                      "writable --output-dir, then continue with --resume (the previous checkpoint is intact)")
+
+
+def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """Name of the first floating-point tensor holding NaN or inf, or None."""
+    for name, t in named:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def _remove_stale(root: Path, pattern: str) -> None:
+    """Delete temporary directories left by a process killed while writing (only this run writes here)."""
+    for stale in root.glob(pattern):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory beside ``final``; on success, flush it and swap it in
+    for ``final`` (an existing ``final`` is replaced only after the new one is complete)."""
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(parent, f".tmp-{final.name}-*")
+    _remove_stale(parent, f".old-{final.name}-*")
+    tmp = parent / f".tmp-{final.name}-{os.getpid()}"
+    old = parent / f".old-{final.name}-{os.getpid()}"
     try:
         tmp.mkdir()
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep_last: int) -> Path:
+    """Write checkpoint ``root/step-NNNNNN`` atomically; keep the newest ``keep_last``.
+
+    Everything goes to a temporary directory that is flushed (files and directory) and then renamed
+    into place, so a crash at any instant leaves the earlier checkpoints as they were. A full disk or
+    a permission problem becomes one PPOLMError line; non-finite tensors are never written.
+    """
+    from safetensors.torch import save_file
+
+    bad = first_non_finite(tensors.items())
+    if bad:
+        raise PPOLMError(f"refusing to save a checkpoint with non-finite values in {bad} (step {step}); the "
+                         "previous checkpoint is intact")
+    final = root / f"{PREFIX}{step:06d}"
+    tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale(root, f".tmp-{PREFIX}*")
+        tmp.mkdir()
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({"step": step, **meta}))
+        (tmp / "state.json").write_text(json.dumps({"step": step, **meta}), encoding="utf-8")
         files = {}
         for f in sorted(tmp.iterdir()):
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
             files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f)}
-        with open(tmp / "manifest.json", "w") as fh:
+        with open(tmp / "manifest.json", "w", encoding="utf-8") as fh:
             json.dump({"step": step, "files": files}, fh)
             fh.flush()
             os.fsync(fh.fileno())
         _fsync_dir(tmp)
-        if final.exists():
+        if final.exists():  # a checkpoint being redone (the newer one was corrupt): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno == errno.ENOSPC:
-            raise PPOLMError(f"no space left on the device while saving a checkpoint in {root}; free disk space "
-                             "and --resume (the previous checkpoint is intact)") from None
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise PPOLMError(f"permission denied writing a checkpoint in {root}; choose a writable --output-dir "
-                             "(the previous checkpoint is intact)") from None
+        raise disk_error(e, root, f"checkpoint {final.name}") from None
+    except BaseException:  # e.g. a second Ctrl-C: no half-written directory stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for path in list_checkpoints(root):  # newer ones are corrupt leftovers of the steps being redone
+        if path.name > final.name:
+            shutil.rmtree(path, ignore_errors=True)
     for old in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -152,11 +216,18 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
 
 
+REQUIRED = ("tensors.safetensors", "state.json")
+
+
 def verify(path: Path) -> str | None:
     """None if the checkpoint matches its manifest, else what is wrong."""
     try:
-        manifest = json.loads((path / "manifest.json").read_text())
-        for name, info in manifest["files"].items():
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+        files = manifest["files"]
+        for name in REQUIRED:
+            if name not in files:
+                return f"the manifest does not list {name}"
+        for name, info in files.items():
             f = path / name
             if not f.exists():
                 return f"{name} is missing"
@@ -164,9 +235,15 @@ def verify(path: Path) -> str | None:
                 return f"{name} has {f.stat().st_size} bytes, expected {info['size']}"
             if _sha256(f) != info["sha256"]:
                 return f"{name} checksum differs"
-    except (OSError, ValueError, KeyError) as e:
-        return f"manifest unreadable ({type(e).__name__})"
+    except FileNotFoundError:
+        return "manifest.json is missing"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"manifest.json unreadable ({type(e).__name__})"
     return None
+
+
+def warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
 def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, Any]] | None:
@@ -175,8 +252,11 @@ def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, An
 
     for path in reversed(list_checkpoints(root)):
         problem = verify(path)
-        if problem:
-            warnings.warn(f"skipping corrupt checkpoint {path.name}: {problem}", stacklevel=2)
-            continue
-        return path, load_file(str(path / "tensors.safetensors")), json.loads((path / "state.json").read_text())
+        if problem is None:
+            try:
+                return path, load_file(str(path / "tensors.safetensors")), json.loads(
+                    (path / "state.json").read_text(encoding="utf-8"))
+            except Exception as e:  # matched its manifest but does not parse: treat as corrupt
+                problem = f"unreadable ({type(e).__name__})"
+        warn(f"skipping corrupt checkpoint {path.name}: {problem}; trying the previous one")
     return None

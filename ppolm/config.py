@@ -136,7 +136,10 @@ def _type_name(t: Any) -> str:
 
 
 def unknown_key(name: str, known: list[str], where: str) -> PPOLMError:
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    prefix, _, leaf = name.rpartition(".")  # compare 'algo.lr' with the section's keys, not the prefix
+    close = difflib.get_close_matches(leaf, [k.removeprefix(prefix + ".") if prefix else k for k in known],
+                                      n=1, cutoff=0.6)
+    close = [f"{prefix}.{close[0]}" if prefix else close[0]] if close else []
     hint = f"; did you mean '{close[0]}'?" if close else f"; see `ppolm {where} --help`"
     return PPOLMError(f"unknown config key '{name}'{hint}")
 

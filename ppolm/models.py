@@ -191,7 +191,7 @@ def _check_model_dir(path: Path, allow_pickle: bool) -> Path:
     if pickles:
         raise PPOLMError(
             f"{path} has only pickle weights ({pickles[0]}), which are refused because loading them can run code; convert once with "
-            f"`python -c \"import transformers as t; t.AutoModel.from_pretrained('{path}').save_pretrained('{path}-st')\"` or pass allow_pickle=True"
+            f"`python -c \"import transformers as t; t.AutoModel.from_pretrained('{path}').save_pretrained('{path}-st')\"` or pass --allow-pickle (allow_pickle=True in Python) if you trust the file"
         )
     raise PPOLMError(
         f"{path} has config.json but no weights (*.safetensors); copy the weights there or pass another model"

@@ -153,9 +153,32 @@ class PPOTrainer:
         taken: set[str] = set()
         functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), w) for s, w in zip(specs, weights)]
 
-        # 1. policy (trained) and 2. reference (frozen)
         self.tokenizer = models.load_tokenizer(m.model)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        # Data before models, so a bad file fails in seconds, not after loading four models.
+        from transformers import AutoConfig
+
+        model_dir = models.resolve_model_dir(m.model, allow_pickle=m.allow_pickle)
+        ctx = getattr(AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code),
+                      "max_position_embeddings", None)
+        self.prompts = load_prompts(cfg.run.prompts, self.tokenizer, chat_template=cfg.run.chat_template,
+                                    max_length=cfg.generation.max_prompt_length, context_length=ctx,
+                                    response_length=cfg.generation.response_length)
+        self.eval_prompts = None
+        if cfg.run.eval_prompts is not None:
+            self.eval_prompts = load_prompts(cfg.run.eval_prompts, self.tokenizer, chat_template=cfg.run.chat_template,
+                                             max_length=cfg.generation.max_prompt_length, context_length=ctx,
+                                             response_length=cfg.generation.response_length)
+        self.eval_functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), 1.0)
+                               for s in cfg.run.eval_reward_fn]
+        self.best_value = -math.inf
+        self.ptx_ids = None
+        if a.ptx_coef > 0:
+            texts = load_text_corpus(a.ptx_data)  # type: ignore[arg-type]
+            self.ptx_ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:256] for t in texts]
+            self.ptx_ids = [x for x in self.ptx_ids if len(x) >= 2]
+
+        # 1. policy (trained) and 2. reference (frozen)
         self.policy = models.load_causal_lm(m.model, dtype=torch.float32, device=self.device,
                                             trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
         self.reference = None
@@ -194,25 +217,6 @@ class PPOTrainer:
                                                    trust_remote_code=m.trust_remote_code,
                                                    allow_pickle=m.allow_pickle)
             self.critic.train()
-
-        # Data
-        ctx = getattr(self.policy.config, "max_position_embeddings", None)
-        self.prompts = load_prompts(cfg.run.prompts, self.tokenizer, chat_template=cfg.run.chat_template,
-                                    max_length=cfg.generation.max_prompt_length, context_length=ctx,
-                                    response_length=cfg.generation.response_length)
-        self.eval_prompts = None
-        if cfg.run.eval_prompts is not None:
-            self.eval_prompts = load_prompts(cfg.run.eval_prompts, self.tokenizer, chat_template=cfg.run.chat_template,
-                                             max_length=cfg.generation.max_prompt_length, context_length=ctx,
-                                             response_length=cfg.generation.response_length)
-        self.eval_functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), 1.0)
-                               for s in cfg.run.eval_reward_fn]
-        self.best_value = -math.inf
-        self.ptx_ids = None
-        if a.ptx_coef > 0:
-            texts = load_text_corpus(a.ptx_data)  # type: ignore[arg-type]
-            self.ptx_ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:256] for t in texts]
-            self.ptx_ids = [x for x in self.ptx_ids if len(x) >= 2]
 
         # Optimisers: separate learning rates for actor and critic (Adam eps 1e-5, detail 16)
         self.actor_params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -690,9 +694,10 @@ class PPOTrainer:
                 if samples:
                     tracker.samples(samples)
                 if self.consecutive_skips >= cfg.run.max_skipped_updates:
+                    cause = getattr(self, "skip_cause", "non-finite values")
                     raise PPOLMError(f"{self.consecutive_skips} consecutive updates skipped (last at step {step}: "
-                                     f"{getattr(self, 'skip_cause', 'non-finite values')}); fix the reward or lower --actor-lr, then continue "
-                                     "from the last checkpoint with --resume")
+                                     f"{cause}); fix the reward or lower --actor-lr, then continue from the last "
+                                     "checkpoint with --resume")
                 bad = checkpoint.first_non_finite(self.trained_parameters())
                 if bad:
                     raise PPOLMError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "

@@ -97,8 +97,12 @@ class RewardFunction:
         try:
             values = [float("nan") if v is None else float(v) for v in out]
         except (TypeError, ValueError):
+            what = type(out).__name__
+            if isinstance(out, (list, tuple)):
+                bad = next(v for v in out if v is not None and not isinstance(v, (int, float)))
+                what += f" holding {bad!r} ({type(bad).__name__})"
             raise PPOLMError(f"reward function '{self.name}' must return a list of numbers; "
-                             f"got {type(out).__name__}") from None
+                             f"got a {what}") from None
         if len(values) != len(completions):
             raise PPOLMError(f"reward function '{self.name}' returned {len(values)} values for "
                              f"{len(completions)} completions; return one per completion")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,8 +25,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def truncate_rows(path: Path, keep_below_step: int) -> None:
     """Keep rows with step < keep_below_step (a resumed run redoes the later ones)."""
+    if not path.exists():
+        return
     rows = [r for r in read_jsonl(path) if r.get("step", -1) < keep_below_step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    tmp = path.with_suffix(path.suffix + ".tmp")  # atomic: a kill mid-rewrite never loses rows
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _clean(v: Any) -> Any:
