@@ -2,10 +2,11 @@
 """Benchmark one PPO step on the embedded SmolLM2-135M-Instruct (not a test; prints figures).
 
 Two workloads, each timed over --steps PPO steps (the first excluded as warm-up):
-  small : ppolm defaults (bf16 autocast, frozen models in bf16) at 8 rollouts x 32 tokens x 1 epoch
+  small : ppolm defaults (precision auto: bf16 where the CPU/GPU has it natively, else fp32) at
+          8 rollouts x 32 tokens x 1 epoch
   peer  : the work of ../shared/peer-bench (TRL's PPOTrainer): separate critic, full fine-tuning,
-          --ignore-eos (exactly 32 tokens), 1 epoch, 1 minibatch, 8 rollouts; run in ppolm's
-          default precision (bf16) and in fp32
+          --ignore-eos (exactly 32 tokens), 1 epoch, 1 minibatch, 8 rollouts; in ppolm's default
+          precision (auto) and in fp32
 next to the time of a plain HF ``generate`` of the same batch (8 x 32 tokens, sampling).
 Value and reward heads are randomly initialised (seeded), as in the peer bench.
 
@@ -92,7 +93,7 @@ def run_one(workload: str, precision: str, steps: int) -> dict:
                                     do_sample=True, temperature=1.0, top_k=0, pad_token_id=trainer.pad_id)
         gen_times.append(time.perf_counter() - t)
     shutil.rmtree(tmp, ignore_errors=True)
-    return {"workload": workload, "precision": precision, "steps": steps,
+    return {"workload": workload, "precision": trainer.precision, "steps": steps,
             "s_per_step": med("time/step_s"), "rollout_s": med("time/rollout_s"), "score_s": med("time/score_s"),
             "train_s": med("time/train_s"), "step_s_all": [round(r["time/step_s"], 2) for r in rows],
             "plain_generate_s": round(statistics.median(gen_times[1:]), 3),
@@ -104,12 +105,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--workload", choices=["small", "peer"])
-    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
     args = ap.parse_args()
     if args.workload:
         print(json.dumps(run_one(args.workload, args.precision, args.steps)), flush=True)
         return
-    for workload, precision in (("small", "bf16"), ("peer", "bf16"), ("peer", "fp32")):
+    for workload, precision in (("small", "auto"), ("peer", "auto"), ("peer", "fp32")):
         out = subprocess.run([sys.executable, __file__, "--workload", workload, "--precision", precision,
                               "--steps", str(args.steps)], capture_output=True, text=True)
         line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]

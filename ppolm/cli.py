@@ -13,6 +13,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     # name: ("config.module:ConfigClass", "runner.module:function(cfg) -> exit code", help)
     "ppo": ("ppolm.ppo_config:PPOConfig", "ppolm.cli:run_ppo",
             "train a policy with PPO against reward models and/or reward functions"),
+    "sft": ("ppolm.sft:SFTConfig", "ppolm.sft:run", "supervised fine-tuning on demonstrations (loss on responses only)"),
+    "reward": ("ppolm.reward_train:RewardTrainConfig", "ppolm.reward_train:run", "train a reward model on preference pairs"),
+    "reward-eval": ("ppolm.evaluate:RewardEvalConfig", "ppolm.evaluate:run_reward_eval", "held-out pairwise accuracy of a reward model"),
+    "eval": ("ppolm.evaluate:EvalConfig", "ppolm.evaluate:run_eval", "compare policies: rewards, KL, length, diversity, EOS rate"),
+    "report": ("ppolm.report:ReportConfig", "ppolm.report:run_report", "write report.html and plots for a PPO run"),
+    "demo": ("ppolm.demo:DemoConfig", "ppolm.demo:run", "the whole RLHF pipeline on the embedded model, showing over-optimisation"),
 }
 
 

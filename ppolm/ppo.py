@@ -53,6 +53,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_precision(name: str, device: torch.device) -> str:
+    """'auto' -> bf16 where the hardware computes in bf16 natively (CUDA; CPUs with AMX or
+    AVX512-BF16), else fp32: on a CPU without them bf16 is emulated and 3-5x slower than fp32."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    try:
+        native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    except AttributeError:  # private helpers moved: read the CPU flags
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            flags = ""
+        native = "amx_bf16" in flags or "avx512_bf16" in flags
+    return "bf16" if native else "fp32"
+
+
 def seed_everything(seed: int) -> None:
     import numpy as np
 
@@ -136,7 +154,8 @@ class PPOTrainer:
         self.out = Path(cfg.run.output_dir)
         prepare_output_dir(self.out, cfg)
         self.device = resolve_device(m.device)
-        self.bf16 = m.precision == "bf16"
+        self.precision = resolve_precision(m.precision, self.device)
+        self.bf16 = self.precision == "bf16"
         frozen_dtype = torch.bfloat16 if self.bf16 else torch.float32
         # Data-parallel readiness (torchrun sets RANK/WORLD_SIZE): a different seed per rank (OpenAI
         # detail 17) and a disjoint slice of the prompts; no other global state.

@@ -28,8 +28,8 @@ class ModelConfig:
     """LoRA target modules (peft syntax: 'all-linear' or comma-separated module names)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device: auto picks cuda when available."""
-    precision: Literal["bf16", "fp32"] = "bf16"
-    """bf16: fp32 master weights with bf16 autocast, frozen models stored in bf16 (2x faster on CPUs with AMX and on GPUs). fp32: everything in float32."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """bf16: fp32 master weights with bf16 autocast, frozen models stored in bf16 (2x faster on GPUs and CPUs with AMX/AVX512-BF16; 3-5x slower where bf16 is emulated). fp32: everything in float32. auto: bf16 where native, else fp32."""
     trust_remote_code: bool = False
     """Allow model code shipped inside a model directory to run (off: only transformers' own code runs)."""
     allow_pickle: bool = False

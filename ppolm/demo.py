@@ -1,0 +1,403 @@
+"""``ppolm demo``: the whole RLHF pipeline on the embedded model, showing Goodhart's law.
+
+Stages (each prints its progress; finished stages are kept, so ``--resume`` continues after Ctrl-C):
+
+1. **task**: short product/film review prompts (train and held-out items disjoint) and the gold
+   judge of :mod:`ppolm.gold`, a deterministic stand-in for a human rater;
+2. **pairs**: two responses per training prompt from the starting policy, labelled by sampling
+   Bradley-Terry preferences from the gold difference (noisy, like human labels);
+3. **proxy reward model**: ``ppolm reward`` on those pairs, held-out accuracy reported, then
+   normalised to mean 0 / std 1 on the same starting-policy samples;
+4. **PPO** against the proxy (critic initialised from it, adaptive KL), scoring held-out prompts
+   with the proxy *and* the gold judge every few steps and keeping the best-gold policy in ``best/``;
+5. **report**: ``report.html`` with the proxy-vs-gold curves against KL (Gao et al. 2022), alarms
+   and samples; ``demo.json`` holds the numbers.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ppolm.errors import PPOLMError
+
+RM_DIR = "proxy_rm"  # its name is the proxy's metric name: eval/proxy_rm
+GOLD_METRIC = "eval/gold_judge"
+OWN_FILES = ("demo.json", "prompts_train.jsonl", "prompts_eval.jsonl", "pairs_train.jsonl", "pairs_eval.jsonl",
+             RM_DIR)
+
+
+@dataclass
+class DemoConfig:
+    output_dir: str = "runs/demo"
+    """Where everything goes: pairs, the proxy reward model, the PPO run, report.html."""
+    quick: bool = False
+    """A smaller run (about 4 minutes on 2 CPU cores) that checks the pipeline, too short to show much."""
+    overwrite: bool = False
+    """Replace the demo files in an existing --output-dir."""
+    resume: bool = False
+    """Continue an interrupted demo in --output-dir: finished stages are kept, PPO resumes from its checkpoint."""
+    seed: int = 0
+    """Random seed of prompts, sampling, labels and training."""
+    model: str = "smollm2-135m-instruct"
+    """Starting policy (and the reward model's backbone)."""
+    steps: int | None = None
+    """PPO steps (default: 14, quick: 3)."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto: bf16 on a GPU or a CPU with native bf16 (AMX/AVX512-BF16), else fp32 (emulated bf16 is slower)."""
+    quiet: bool = False
+    """Log lines instead of progress bars."""
+    threads: int = 0
+    """CPU threads for torch; 0 = auto: every core, or 1 when the machine is already busy (load average >= cores), because OpenMP threads that spin-wait against other processes run many times slower than one thread."""
+
+    def validate(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise PPOLMError(f"--steps must be at least 1; got {self.steps}")
+        if self.threads < 0:
+            raise PPOLMError(f"--threads must be >= 0; got {self.threads}")
+        if self.resume and self.overwrite:
+            raise PPOLMError("--resume and --overwrite exclude each other; pick one")
+
+
+@dataclass
+class Sizes:
+    """The knobs that decide the run time; chosen to fit 15 (quick: 4) minutes on 2 CPU cores."""
+
+    train_prompts: int
+    eval_prompts: int
+    rm_eval_fraction: float
+    rm_layers: int
+    rm_epochs: int
+    rm_lr: float
+    policy_layers: int
+    lora_r: int
+    steps: int
+    eval_every: int
+    batch_size: int
+    response_length: int
+    ppo_epochs: int
+    actor_lr: float
+    kl_coef: float
+    kl_target: float
+    label_temperature: float
+
+
+FULL = Sizes(train_prompts=64, eval_prompts=16, rm_eval_fraction=0.25, rm_layers=4, rm_epochs=3, rm_lr=3e-4,
+             policy_layers=8, lora_r=16, steps=8, eval_every=2, batch_size=8, response_length=32, ppo_epochs=4,
+             actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15)
+QUICK = Sizes(train_prompts=24, eval_prompts=8, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=1, rm_lr=3e-4,
+              policy_layers=4, lora_r=16, steps=3, eval_every=3, batch_size=8, response_length=24, ppo_epochs=2,
+              actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15)
+
+
+def pick_precision(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "fp32"
+    return "bf16" if ("amx_bf16" in flags or "avx512_bf16" in flags) else "fp32"
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write atomically (temp file + rename), so an interrupted stage never leaves half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(path)
+
+
+def mean_se(xs: list[float]) -> dict[str, float]:
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return {"mean": m, "se": sd / math.sqrt(len(xs)), "n": len(xs)}
+
+
+class Demo:
+    def __init__(self, cfg: DemoConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        base = QUICK if cfg.quick else FULL
+        self.sizes = Sizes(**{**asdict(base), **({"steps": cfg.steps} if cfg.steps else {})})
+        self.precision = pick_precision(cfg.precision)
+        self.state: dict[str, Any] = {}
+        self.t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Refuse to mix runs: an existing non-empty dir needs --overwrite or --resume."""
+        from ppolm.ppo import OUTPUTS
+
+        out = self.out
+        if out.exists() and not out.is_dir():
+            raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
+        busy = out.is_dir() and any(out.iterdir())
+        if busy and self.cfg.resume:
+            if not (out / "demo.json").is_file():
+                raise PPOLMError(f"--output-dir {out} holds no demo to resume (no demo.json); choose another directory")
+            self.state = json.loads((out / "demo.json").read_text())
+            if self.state.get("quick") != self.cfg.quick or self.state.get("seed") != self.cfg.seed:
+                raise PPOLMError(f"{out} holds a demo run with different options (quick={self.state.get('quick')}, "
+                                 f"seed={self.state.get('seed')}); resume with those, or use --overwrite")
+            say(f"resuming the demo in {out}: done so far: {', '.join(self.state.get('done', [])) or 'nothing'}")
+        elif busy and not self.cfg.overwrite:
+            raise PPOLMError(f"--output-dir {out} already exists and holds files; pass --overwrite to replace it, "
+                             "--resume to continue it, or choose a new directory")
+        elif busy:
+            for name in OWN_FILES + OUTPUTS:
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        if not self.state:
+            self.state = {"quick": self.cfg.quick, "seed": self.cfg.seed, "model": self.cfg.model,
+                          "precision": self.precision, "sizes": asdict(self.sizes), "done": [], "timings_s": {}}
+            self.save_state()
+
+    def save_state(self) -> None:
+        tmp = self.out / "demo.json.tmp"
+        tmp.write_text(json.dumps(self.state, indent=2), encoding="utf-8")
+        tmp.replace(self.out / "demo.json")
+
+    def stage(self, n: int, name: str, fn: Any) -> None:
+        if name in self.state["done"]:
+            say(f"[{n}/5] {name}: already done")
+            return
+        self.current = name
+        say(f"[{n}/5] {name} ...")
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        self.state["timings_s"][name] = round(dt, 1)
+        self.state["done"].append(name)
+        self.save_state()
+        say(f"[{n}/5] {name}: done in {dt:.0f}s (total {time.perf_counter() - self.t0:.0f}s)")
+
+    # ------------------------------------------------------------------------------------ stages
+    def task(self) -> None:
+        from ppolm.gold import JUDGE_DESCRIPTION, review_prompts
+
+        s = self.sizes
+        train, held = review_prompts(s.train_prompts, s.eval_prompts, self.cfg.seed)
+        write_jsonl(self.out / "prompts_train.jsonl", [{"prompt": p} for p in train])
+        write_jsonl(self.out / "prompts_eval.jsonl", [{"prompt": p} for p in held])
+        self.state.update(task="Write a short review of a product or film named in the prompt (e.g. "
+                               f"'{train[0]}'). {len(train)} training prompts; {len(held)} held-out prompts "
+                               "about items never seen in training.", judge=JUDGE_DESCRIPTION,
+                          gold_metric=GOLD_METRIC)
+        say(f"      {len(train)} training prompts, {len(held)} held-out; gold judge: {JUDGE_DESCRIPTION}")
+
+    def pairs(self) -> None:
+        import torch
+
+        from ppolm import models
+        from ppolm import rollout as ro
+        from ppolm.data import encode_prompt
+        from ppolm.gold import gold_score
+
+        s, cfg = self.sizes, self.cfg
+        torch.manual_seed(cfg.seed)
+        tok = models.load_tokenizer(cfg.model)
+        policy = models.load_causal_lm(cfg.model, dtype=torch.float32, tokenizer=tok)
+        prompts = [json.loads(x)["prompt"] for x in (self.out / "prompts_train.jsonl").read_text().splitlines()]
+        jobs = [p for p in prompts for _ in range(2)]  # two responses per prompt
+        texts: list[str] = []
+        bs = 16
+        t = time.perf_counter()
+        for i in range(0, len(jobs), bs):
+            ids = [encode_prompt(p, tok, True) for p in jobs[i:i + bs]]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+                roll = ro.generate(policy, ids, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+                                   max_new_tokens=s.response_length, temperature=0.7)
+            texts += tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)
+            done = min(i + bs, len(jobs))
+            el = time.perf_counter() - t
+            say(f"      sampled {done}/{len(jobs)} responses ({el:.0f}s, eta {el / done * (len(jobs) - done):.0f}s)")
+        rng = random.Random(cfg.seed)
+        rows, agree = [], 0
+        for k, p in enumerate(prompts):
+            a, b = texts[2 * k], texts[2 * k + 1]
+            ga, gb = gold_score(a), gold_score(b)
+            # Bradley-Terry label: P(a preferred) = sigmoid((gold_a - gold_b) / T)
+            p_a = 1 / (1 + math.exp(-(ga - gb) / s.label_temperature))
+            a_wins = rng.random() < p_a
+            chosen, rejected = (a, b) if a_wins else (b, a)
+            gc, gr = (ga, gb) if a_wins else (gb, ga)
+            agree += gc >= gr
+            rows.append({"prompt": p, "chosen": chosen, "rejected": rejected, "gold_chosen": gc, "gold_rejected": gr})
+        n_eval = max(2, round(len(rows) * s.rm_eval_fraction))
+        write_jsonl(self.out / "pairs_train.jsonl", rows[n_eval:])
+        write_jsonl(self.out / "pairs_eval.jsonl", rows[:n_eval])
+        self.state.update(label_agreement=agree / len(rows), n_pairs=len(rows), rm_accuracy_n=n_eval,
+                          sample_gold=mean_se([gold_score(x) for x in texts]))
+        say(f"      {len(rows)} pairs ({len(rows) - n_eval} train, {n_eval} held-out); labels agree with the "
+            f"gold ordering on {agree / len(rows):.0%} (Bradley-Terry noise, T={s.label_temperature})")
+
+    def reward_model(self) -> None:
+        from ppolm import config
+        from ppolm.reward_train import RewardTrainConfig, train_reward
+        from ppolm.rewards import RewardModel, write_norm
+
+        s, out = self.sizes, self.out
+        cfg = config.build(RewardTrainConfig, dict(
+            model=self.cfg.model, data=str(out / "pairs_train.jsonl"), eval_data=str(out / "pairs_eval.jsonl"),
+            output_dir=str(out / RM_DIR), epochs=s.rm_epochs, train_layers=s.rm_layers, lr=s.rm_lr, batch_size=8,
+            normalize=False, precision=self.precision, seed=self.cfg.seed, overwrite=True, quiet=self.cfg.quiet))
+        rows = train_reward(cfg)
+        acc = rows[-1].get("eval_accuracy")
+        # Normalise on the starting policy's own samples (the pairs): mean 0, std 1 (OpenAI detail 8).
+        import torch
+
+        rm = RewardModel(str(out / RM_DIR), dtype=torch.float32, device="cpu")
+        pairs = [json.loads(x) for f in ("pairs_train.jsonl", "pairs_eval.jsonl")
+                 for x in (out / f).read_text().splitlines()]
+        texts, gold = [], []
+        for r in pairs:
+            for side in ("chosen", "rejected"):
+                # as the RM was trained: chat-templated prompt, response, EOS
+                head = rm.tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                                        add_generation_prompt=True)
+                texts.append(head + r[side] + rm.tokenizer.eos_token)
+                gold.append(r[f"gold_{side}"])
+        raw = rm.score_texts(texts)
+        mean, std = float(raw.mean()), float(raw.std())
+        write_norm(out / RM_DIR, 1.0 / max(std, 1e-6), -mean / max(std, 1e-6), raw_mean=mean, raw_std=std,
+                   n_samples=len(texts), policy=self.cfg.model)
+        n_eval = self.state["rm_accuracy_n"]
+        held, held_gold = raw[-2 * n_eval:].tolist(), gold[-2 * n_eval:]  # pairs_eval was read last
+        vs_gold = [(held[2 * i] > held[2 * i + 1]) == (held_gold[2 * i] > held_gold[2 * i + 1])
+                   for i in range(n_eval) if held_gold[2 * i] != held_gold[2 * i + 1]]
+        self.state.update(rm_accuracy=acc, rm_accuracy_vs_gold=sum(vs_gold) / max(1, len(vs_gold)))
+        say(f"      proxy RM held-out accuracy {acc:.3f} on {n_eval} labelled pairs "
+            f"({self.state['rm_accuracy_vs_gold']:.3f} against the noise-free gold ordering)")
+
+    def lora_targets(self) -> str:
+        """LoRA on every linear layer of the top ``policy_layers`` blocks: backward stops there (fast on a CPU)."""
+        from ppolm import models
+
+        n = json.loads((models.resolve_model_dir(self.cfg.model) / "config.json").read_text())["num_hidden_layers"]
+        mods = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
+        return ",".join(f"layers.{i}.{m}" for i in range(max(0, n - self.sizes.policy_layers), n) for m in mods)
+
+    def ppo(self) -> None:
+        from ppolm import alarms, config
+        from ppolm.ppo import train_ppo
+        from ppolm.ppo_config import PPOConfig
+        from ppolm.tracking import read_jsonl
+
+        s, out = self.sizes, self.out
+        resume = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
+        cfg = config.build(PPOConfig, dict(
+            model=self.cfg.model, reward_model=[str(out / RM_DIR)], critic_init="reward",
+            prompts=str(out / "prompts_train.jsonl"), eval_prompts=str(out / "prompts_eval.jsonl"),
+            eval_every=s.eval_every, eval_reward_fn=["ppolm.gold:gold_judge"], best_metric=GOLD_METRIC,
+            steps=s.steps, batch_size=s.batch_size, minibatches=1, ppo_epochs=s.ppo_epochs,
+            response_length=s.response_length, actor_lr=s.actor_lr, lora_r=s.lora_r,
+            lora_target=self.lora_targets(), kl_coef=s.kl_coef, kl_target=s.kl_target,
+            adaptive_kl=True, precision=self.precision, seed=self.cfg.seed, sample_every=1, save_every=1,
+            keep_last=1, output_dir=str(out), overwrite=not resume, resume=resume, quiet=self.cfg.quiet))
+        proxy = f"eval/{RM_DIR}"
+
+        def check(rows: list[dict[str, Any]]) -> list[alarms.Alarm]:
+            found = alarms.check_all(rows, kl_target=s.kl_target)
+            a = alarms.over_optimisation(read_jsonl(out / "eval.jsonl"), proxy=proxy, gold=GOLD_METRIC)
+            return found + ([a] if a else [])
+
+        with alarms.AlarmWatcher(out / "metrics.jsonl", check):
+            result = train_ppo(cfg)
+        if result.interrupted:
+            raise KeyboardInterrupt
+
+    def summarise(self) -> None:
+        from ppolm.report import write_report
+        from ppolm.tracking import read_jsonl
+
+        evals = read_jsonl(self.out / "eval.jsonl")
+        best = json.loads((self.out / "best.json").read_text()) if (self.out / "best.json").is_file() else None
+
+        def at(row: dict[str, Any]) -> dict[str, Any]:
+            return {"mean": row[GOLD_METRIC], "se": row.get(GOLD_METRIC + "_se"), "step": row["step"],
+                    "kl": row.get("eval/kl"), "proxy": row.get(f"eval/{RM_DIR}")}
+
+        gold: dict[str, Any] = {"before": at(evals[0]), "end": at(evals[-1])}
+        if best:
+            gold["best"] = next((at(r) for r in evals if r["step"] == best["step"]), None)
+        self.state["gold"] = gold
+        if gold.get("best"):
+            b, a = gold["best"], gold["before"]
+            gain, se = b["mean"] - a["mean"], math.hypot(b["se"] or 0.0, a["se"] or 0.0)
+            ok = gain > 2 * se
+            self.state["verdict"] = (
+                f"Best-gold checkpoint (step {b['step']}, KL {b['kl']:.2f} nats): gold {b['mean']:.3f} ± {b['se']:.3f} "
+                f"vs {a['mean']:.3f} ± {a['se']:.3f} before PPO: a gain of {gain:+.3f}, "
+                f"{'more' if ok else 'less'} than twice its standard error ({2 * se:.3f}). "
+                "(The best step is chosen on these same prompts, so the gain is optimistic.)")
+            self.state["gold_gain"] = {"gain": gain, "se": se, "beats_2se": ok}
+        self.save_state()
+        path = write_report(self.out)
+        say(self.state.get("verdict", ""))
+        say(f"report: {path}")
+
+    # ------------------------------------------------------------------------------------
+    def set_threads(self) -> None:
+        import os
+
+        import torch
+
+        n = self.cfg.threads
+        if n == 0:
+            cores = os.cpu_count() or 1
+            n = 1 if cores > 1 and os.getloadavg()[0] >= cores else cores
+            if n == 1:
+                say(f"the machine is busy (load {os.getloadavg()[0]:.1f} on {cores} cores): using 1 thread")
+        torch.set_num_threads(n)
+        self.state["threads"] = n
+
+    def run(self) -> int:
+        self.prepare()
+        self.set_threads()
+        self.current = "setup"
+        try:
+            self.stage(1, "task", self.task)
+            self.stage(2, "pairs", self.pairs)
+            self.stage(3, "reward_model", self.reward_model)
+            self.stage(4, "ppo", self.ppo)
+            self.stage(5, "report", self.summarise)
+        except KeyboardInterrupt:
+            self.save_state()
+            done = ", ".join(self.state["done"]) or "nothing"
+            say(f"\ninterrupted during stage '{self.current}'; kept in {self.out}: {done}. Continue with: "
+                f"ppolm demo --output-dir {self.out} --resume" + (" --quick" if self.cfg.quick else ""))
+            return 130
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise PPOLMError(f"no space left on device while writing to {self.out} (stage "
+                                 f"'{self.current}'); free some space or choose another --output-dir, then "
+                                 "add --resume") from None
+            raise
+        total = time.perf_counter() - self.t0
+        self.state["timings_s"]["total_this_call"] = round(total, 1)
+        self.save_state()
+        say(f"demo finished in {total / 60:.1f} min; open {self.out / 'report.html'} in a browser")
+        return 0
+
+
+def run(cfg: DemoConfig) -> int:
+    return Demo(cfg).run()

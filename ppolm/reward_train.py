@@ -1,0 +1,388 @@
+"""Reward-model training (``ppolm reward``): a backbone plus a scalar head, fitted to preference pairs.
+
+The loss is Bradley-Terry (:func:`ppolm.core.pairwise_loss`): P(chosen > rejected) =
+sigmoid(r_chosen - r_rejected [- margin]). Only differences are identified, so an optional
+centring term ``coef * mean((r_c + r_r)^2)`` keeps the raw scores near zero. Each text is encoded
+exactly as PPO scores it (chat-templated prompt, response, EOS) and read at the last real token.
+
+After training, :func:`normalize_reward_model` fits a gain and bias so that scores have mean 0
+and std 1 on responses sampled from a reference policy (OpenAI's detail 8). They are stored in
+``ppolm_reward.json`` beside the weights and applied by :class:`ppolm.rewards.RewardModel`; plain
+``AutoModelForSequenceClassification`` reads the raw head, which ranks pairs the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ppolm import core
+from ppolm import sft as common  # the training helpers SFT and reward training share
+from ppolm.errors import PPOLMError
+
+
+@dataclass
+class RewardTrainConfig:
+    """Everything a reward-model run needs; ``train_reward(config.build(RewardTrainConfig, {...}))``."""
+
+    model: str = "smollm2-135m-instruct"
+    """Backbone: a causal LM (e.g. the `ppolm sft` output) or a sequence-classification model; a directory, .gguf or embedded name."""
+    data: str | None = None
+    """Preference pairs: .jsonl/.json/.parquet/.csv or a saved datasets directory with 'prompt', 'chosen', 'rejected' (text, or chat lists ending with the assistant turn; 'prompt' may be omitted when chosen/rejected are whole conversations)."""
+    eval_data: str | None = None
+    """Held-out pairs for accuracy and loss; default: a seeded --eval-fraction of --data."""
+    eval_fraction: float = 0.1
+    """Fraction of --data held out when --eval-data is not given (0 = no eval)."""
+    output_dir: str = "runs/reward"
+    """Where the reward model (Hugging Face sequence-classification format, with tokenizer), ppolm_reward.json and metrics.jsonl go."""
+    epochs: int = 1
+    """Passes over the pairs (InstructGPT trained RMs for one epoch: more overfits)."""
+    batch_size: int = 8
+    """Pairs per optimiser step."""
+    lr: float = 1e-4
+    """AdamW learning rate (for the default --train-layers 2; full fine-tuning wants ~1e-5)."""
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    """Constant, or linear decay to 0 over the run."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping (global norm)."""
+    max_length: int = 512
+    """Longest prompt+response in tokens; longer responses are cut."""
+    margin_column: str | None = "margin"
+    """Column whose value is subtracted inside the loss, sigmoid(r_c - r_r - margin) (Llama 2), when the data has it; none = ignore."""
+    center_coef: float = 0.0
+    """Weight of the centring term mean((r_c + r_r)^2), which keeps raw rewards near zero (e.g. 0.01)."""
+    train_layers: int = 2
+    """Train the scalar head, the final norm and the top N transformer layers; the rest stays frozen (fast on a CPU). -1 = all."""
+    lora_r: int = 0
+    """LoRA rank (peft) on all layers instead of --train-layers; 0 = off. The head is always trained in full."""
+    lora_alpha: float = 32.0
+    """LoRA scaling alpha."""
+    lora_target: str = "all-linear"
+    """LoRA target modules (peft syntax)."""
+    chat_template: bool = True
+    """Apply the tokenizer's chat template to text prompts, as `ppolm ppo` does before scoring."""
+    normalize: bool = True
+    """After training, set a gain and bias so scores have mean 0, std 1 on responses of --norm-policy (OpenAI detail 8)."""
+    norm_policy: str | None = None
+    """Reference policy whose samples define the normalisation; default: --model (the SFT model PPO starts from)."""
+    norm_prompts: str | None = None
+    """Prompts for the normalisation samples; default: the prompts of --data."""
+    norm_samples: int = 64
+    """Number of sampled responses the normalisation is fitted on."""
+    norm_response_length: int = 48
+    """Max new tokens per normalisation sample (match `ppolm ppo --response-length`)."""
+    norm_temperature: float = 0.7
+    """Sampling temperature of the normalisation samples (match `ppolm ppo --temperature`)."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """bf16: fp32 master weights with bf16 autocast; fp32: everything in float32."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device: auto picks cuda when available."""
+    seed: int = 0
+    """Random seed (split, shuffling, head init, normalisation samples)."""
+    overwrite: bool = False
+    """Allow writing into an --output-dir that already holds files (they are replaced)."""
+    quiet: bool = False
+    """No progress bar."""
+    trust_remote_code: bool = False
+    """Allow model code shipped inside a model directory to run."""
+    allow_pickle: bool = False
+    """Accept pickle-based weights (.bin/.pt), which can run arbitrary code when loaded."""
+
+    def validate(self) -> None:
+        common.check_common(self)
+        if self.center_coef < 0 or self.norm_samples < 2 or self.norm_response_length < 1:
+            raise PPOLMError("--center-coef must be >= 0, --norm-samples >= 2 and --norm-response-length >= 1")
+        if self.norm_temperature <= 0:
+            raise PPOLMError(f"--norm-temperature must be > 0; got {self.norm_temperature}")
+
+
+# ------------------------------------------------------------------------------------ pairs
+
+@dataclass
+class Pair:
+    prompt: Any
+    """Prompt text or chat list (what PPO feeds the policy)."""
+    chosen: str
+    rejected: str
+    margin: float = 0.0
+
+
+def _response(x: Any, where: str, col: str) -> tuple[str, list[dict[str, str]]]:
+    """A chosen/rejected cell -> (response text, the conversation before it)."""
+    from ppolm.data import check_messages
+
+    if isinstance(x, list):
+        msgs = check_messages(x, f"{where} '{col}'")
+        if msgs[-1]["role"] != "assistant":
+            raise PPOLMError(f"{where}: '{col}' must end with an assistant turn (the response)")
+        text, prefix = msgs[-1]["content"], msgs[:-1]
+    elif isinstance(x, str):
+        text, prefix = x, []
+    else:
+        raise PPOLMError(f"{where}: '{col}' must be text or a chat-message list; got {type(x).__name__}")
+    if not text.strip():
+        raise PPOLMError(f"{where}: '{col}' is empty; remove the row or fill it in")
+    return text, prefix
+
+
+def load_pairs(path: str, margin_column: str | None = "margin") -> list[Pair]:
+    """Read and check a pairs file; every problem is one line naming the row and the fix."""
+    from ppolm.data import check_messages, read_rows
+
+    pairs = []
+    for i, row in enumerate(read_rows(path, text_column="prompt"), start=1):
+        where = f"{path} row {i}"
+        missing = [c for c in ("chosen", "rejected") if c not in row]
+        if missing:
+            raise PPOLMError(f"{where} has no {' or '.join(repr(c) for c in missing)} column (columns: "
+                             f"{', '.join(map(str, row))}); a pairs file needs 'prompt', 'chosen' and 'rejected'")
+        chosen, pre_c = _response(row["chosen"], where, "chosen")
+        rejected, pre_r = _response(row["rejected"], where, "rejected")
+        prompt = row.get("prompt")
+        if prompt is None:
+            if not pre_c or pre_c != pre_r:
+                raise PPOLMError(f"{where} has no 'prompt' column and 'chosen'/'rejected' are not conversations "
+                                 "with the same user turns; add a 'prompt' column")
+            prompt = pre_c
+        elif isinstance(prompt, list):
+            prompt = check_messages(prompt, where) + pre_c
+        elif not isinstance(prompt, str) or not prompt.strip():
+            raise PPOLMError(f"{where}: 'prompt' must be a non-empty string or a chat-message list")
+        if chosen.strip() == rejected.strip():
+            raise PPOLMError(f"{where}: 'chosen' equals 'rejected', so the pair prefers nothing; "
+                             "remove the row or correct one side")
+        margin = row.get(margin_column) if margin_column else None
+        try:
+            margin = 0.0 if margin is None else float(margin)
+        except (TypeError, ValueError):
+            raise PPOLMError(f"{where}: '{margin_column}' must be a number; got {margin!r}") from None
+        pairs.append(Pair(prompt, chosen, rejected, margin))
+    return pairs
+
+
+def encode_pairs(pairs: list[Pair], tok: Any, chat_template: bool, max_length: int, path: str = "data"):
+    """-> list of (chosen ids, rejected ids, margin), laid out as PPO scores a rollout."""
+    from ppolm.data import encode_prompt
+
+    out = []
+    for i, p in enumerate(pairs, start=1):
+        p_ids = encode_prompt(p.prompt, tok, chat_template)
+        where = f"{path} row {i}"
+        out.append((common.encode_response(p_ids, p.chosen, tok, max_length, where),
+                    common.encode_response(p_ids, p.rejected, tok, max_length, where), p.margin))
+    return out
+
+
+def score_seqs(model: Any, seqs: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """Raw head output at the last token of each (left-padded) sequence: (N,) float32."""
+    from ppolm.models import scalar_forward
+    from ppolm.rollout import left_pad
+
+    ids, mask = left_pad(seqs, pad_id, device)
+    return scalar_forward(model, ids, mask)[:, -1]
+
+
+@torch.no_grad()
+def evaluate_pairs(score_fn: Any, encoded: list[tuple], batch_size: int) -> dict[str, float]:
+    """Pairwise accuracy (strictly higher chosen score), Bradley-Terry loss and mean score gap."""
+    rc, rr, m = [], [], []
+    for i in range(0, len(encoded), batch_size):
+        batch = encoded[i:i + batch_size]
+        s = score_fn([c for c, _, _ in batch] + [r for _, r, _ in batch]).float().cpu()
+        rc.append(s[:len(batch)])
+        rr.append(s[len(batch):])
+        m += [x for _, _, x in batch]
+    c, r = torch.cat(rc), torch.cat(rr)
+    return {"accuracy": float((c > r).float().mean()), "loss": float(core.pairwise_loss(c, r, torch.tensor(m))),
+            "margin": float((c - r).mean()), "n": len(c)}
+
+
+# ------------------------------------------------------------------------------------ training
+
+def freeze_lower_layers(model: Any, n: int) -> None:
+    """Train only the head, the final norm and the top ``n`` transformer blocks (n < 0: everything)."""
+    if n < 0:
+        return
+    trunk = getattr(model, model.base_model_prefix)
+    blocks = max((m for m in trunk.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=[])
+    model.requires_grad_(False)
+    model.score.requires_grad_(True)
+    for block in list(blocks)[len(blocks) - n:] if n else []:
+        block.requires_grad_(True)
+    if n and getattr(trunk, "norm", None) is not None:
+        trunk.norm.requires_grad_(True)
+
+
+def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
+    """Train, save and (by default) normalise a reward model; returns the metrics rows (epoch 0 = before)."""
+    from ppolm import config, models
+    from ppolm.ppo import resolve_device, resolve_precision, seed_everything
+
+    cfg.validate()
+    out = Path(cfg.output_dir)
+    common.prepare_output_dir(out, cfg.overwrite)
+    device = resolve_device(cfg.device)
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # 'auto' -> bf16|fp32
+    seed_everything(cfg.seed)
+    tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
+    pairs = load_pairs(cfg.data, cfg.margin_column)  # type: ignore[arg-type]
+    train = encode_pairs(pairs, tok, cfg.chat_template, cfg.max_length, cfg.data)  # type: ignore[arg-type]
+    if cfg.eval_data:
+        held = encode_pairs(load_pairs(cfg.eval_data, cfg.margin_column), tok, cfg.chat_template, cfg.max_length,
+                            cfg.eval_data)
+    else:
+        train, held = common.split_rows(train, cfg.eval_fraction, cfg.seed)
+    model = models.load_scalar_model(cfg.model, head_init="reward", dtype=torch.float32, device=device,
+                                     tokenizer=tok, trust_remote_code=cfg.trust_remote_code,
+                                     allow_pickle=cfg.allow_pickle)
+    model = common.apply_lora(model, cfg, "SEQ_CLS") if cfg.lora_r > 0 else model
+    if cfg.lora_r == 0:
+        freeze_lower_layers(model, cfg.train_layers)
+    params = [p for p in model.parameters() if p.requires_grad]
+    config.save_yaml(cfg, out / "reward_config.yaml")
+    steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
+    opt, sched = common.make_optimizer(params, cfg, steps_per_epoch * cfg.epochs)
+    pad = tok.pad_token_id
+
+    def scores(seqs: list[list[int]]) -> torch.Tensor:
+        with common.autocast(device, cfg.precision):
+            return score_seqs(model, seqs, pad, device)
+
+    def held_out(row: dict[str, Any]) -> dict[str, Any]:
+        if held:
+            model.eval()
+            ev = evaluate_pairs(scores, held, cfg.batch_size)
+            row.update(eval_accuracy=ev["accuracy"], eval_loss=ev["loss"], eval_margin=ev["margin"])
+        return row
+
+    rows = [held_out({"epoch": 0})] if held else []
+    if rows:
+        common.log_epoch(out, rows[0])
+    bar = common.Bar("reward", steps_per_epoch * cfg.epochs, cfg.quiet)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    try:
+        for epoch in range(1, cfg.epochs + 1):
+            model.train()
+            t0, tokens, losses, correct = time.perf_counter(), 0, [], 0
+            order = torch.randperm(len(train), generator=gen).tolist()
+            for b in range(0, len(order), cfg.batch_size):
+                batch = [train[j] for j in order[b:b + cfg.batch_size]]
+                s = scores([c for c, _, _ in batch] + [r for _, r, _ in batch])
+                rc, rr = s[:len(batch)], s[len(batch):]
+                loss = core.pairwise_loss(rc, rr, torch.tensor([m for _, _, m in batch], device=device))
+                if cfg.center_coef:
+                    loss = loss + cfg.center_coef * ((rc + rr) ** 2).mean()
+                value = loss.item()
+                if not math.isfinite(value):
+                    raise PPOLMError(f"the training loss became {value} in epoch {epoch}; lower --lr "
+                                     "or use --precision fp32")
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sched.step()
+                tokens += sum(len(c) + len(r) for c, r, _ in batch)
+                losses.append(value)
+                correct += int((rc > rr).sum())
+                bar.advance(f"epoch {epoch}  loss {value:.3f}")
+            dt = time.perf_counter() - t0
+            row = held_out({"epoch": epoch, "train_loss": sum(losses) / len(losses),
+                            "train_accuracy": correct / len(train)})
+            row.update(tokens=tokens, tokens_per_s=tokens / dt, time_s=dt)
+            rows.append(row)
+            common.log_epoch(out, row)
+    finally:
+        bar.close()
+    common.save_model(model, tok, out, merge=True)
+    if cfg.normalize:
+        prompts = [p.prompt for p in pairs]
+        prompts = list({repr(p): p for p in prompts}.values())  # unique, in order
+        gain, bias = normalize_reward_model(out, cfg.norm_policy or cfg.model, cfg.norm_prompts or prompts,
+                                            cfg.norm_samples, response_length=cfg.norm_response_length,
+                                            temperature=cfg.norm_temperature, seed=cfg.seed, device=cfg.device,
+                                            precision=cfg.precision, chat_template=cfg.chat_template,
+                                            batch_size=cfg.batch_size)
+        rows[-1].update(norm_gain=gain, norm_bias=bias)
+    return rows
+
+
+# ------------------------------------------------------------------------------------ normalisation
+
+@torch.no_grad()
+def reference_scores(rm: Any, policy: str, prompts: str | list[Any] | None, n_samples: int, *,
+                     response_length: int = 48, temperature: float = 0.7, seed: int = 0, precision: str = "bf16",
+                     chat_template: bool = True, batch_size: int = 8) -> torch.Tensor:
+    """Scores by ``rm`` (a :class:`ppolm.rewards.RewardModel`) of ``n_samples`` responses that ``policy``
+    samples for ``prompts`` (a file, a list of texts/chat lists, or None for the built-in set): (n,)."""
+    from ppolm import models
+    from ppolm import rollout as ro
+    from ppolm.data import encode_prompt, load_prompts
+
+    dev = next(rm.model.parameters()).device
+    tok = models.load_tokenizer(policy)
+    lm = models.load_causal_lm(policy, dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+                               device=dev, tokenizer=tok)
+    if prompts is None or isinstance(prompts, (str, Path)):
+        ids = [p.ids for p in load_prompts(prompts, tok, chat_template=chat_template)]
+    else:
+        ids = [encode_prompt(p, tok, chat_template) for p in prompts]
+    same_vocab = rm.tokenizer.get_vocab() == tok.get_vocab()
+    torch.manual_seed(seed)
+    picks = [ids[i % len(ids)] for i in torch.randperm(max(n_samples, len(ids))).tolist()][:n_samples]
+    out = []
+    for i in range(0, n_samples, batch_size):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            roll = ro.generate(lm, picks[i:i + batch_size], pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+                               max_new_tokens=response_length, temperature=temperature)
+            if same_vocab:
+                out.append(rm.score_ids(roll.input_ids, roll.attention_mask).cpu())
+            else:  # different tokenizers: score the text, re-tokenised by the reward model (as PPO does)
+                texts = tok.batch_decode([r[m.bool()] for r, m in zip(roll.input_ids, roll.attention_mask)])
+                out.append(rm.score_texts(texts))
+    return torch.cat(out).float()
+
+
+def normalize_reward_model(rm_dir: str | Path, policy: str, prompts: str | list[Any] | None, n_samples: int, *,
+                           response_length: int = 48, temperature: float = 0.7, seed: int = 0,
+                           device: str = "auto", precision: str = "auto", chat_template: bool = True,
+                           batch_size: int = 8) -> tuple[float, float]:
+    """Fit score = gain * raw + bias to mean 0, std 1 over :func:`reference_scores` of ``policy``;
+    write them to ``rm_dir/ppolm_reward.json`` (read by every later scorer) and return (gain, bias)."""
+    from ppolm.ppo import resolve_device, resolve_precision
+    from ppolm.rewards import RewardModel, write_norm
+
+    dev = resolve_device(device)
+    precision = resolve_precision(precision, dev)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    rm = RewardModel(str(rm_dir), dtype=dtype, device=dev)
+    rm.gain, rm.bias = 1.0, 0.0  # raw scores while fitting
+    raw = reference_scores(rm, policy, prompts, n_samples, response_length=response_length,
+                           temperature=temperature, seed=seed, precision=precision, chat_template=chat_template,
+                           batch_size=batch_size)
+    mean, std = float(raw.mean()), float(raw.std(unbiased=False))
+    if not (math.isfinite(mean) and std > 1e-8):
+        raise PPOLMError(f"the reward model gives (nearly) the same score to all {n_samples} samples of {policy} "
+                         f"(std {std:.2g}); train it longer or pass --no-normalize")
+    gain, bias = 1.0 / std, -mean / std
+    write_norm(rm_dir, gain, bias, raw_mean=mean, raw_std=std, n_samples=n_samples, policy=str(policy),
+               response_length=response_length, temperature=temperature, seed=seed)
+    return gain, bias
+
+
+def run(cfg: RewardTrainConfig) -> int:
+    rows = train_reward(cfg)
+    last = rows[-1]
+    acc = f", held-out accuracy {last['eval_accuracy']:.3f}" if "eval_accuracy" in last else ""
+    norm = " (normalised: mean 0, std 1 on reference samples)" if cfg.normalize else ""
+    print(f"done: {cfg.epochs} epochs{acc}; reward model saved to {cfg.output_dir}{norm}; "
+          f"use it with `ppolm ppo --reward-model {cfg.output_dir}`", file=sys.stdout)
+    return 0

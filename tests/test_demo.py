@@ -1,0 +1,80 @@
+"""`ppolm demo` end to end on the tiny random model: stages, resume after Ctrl-C, bad input."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+from ppolm import cli, demo, gold
+
+
+def test_gold_judge_is_deterministic_and_penalises():
+    good = "A lovely, reliable kettle. I really like it."
+    assert gold.gold_judge([""], [good]) == gold.gold_judge([""], [good]) and gold.gold_score(good) > 0.5
+    long = good + " " + " ".join(f"w{i}" for i in range(60))
+    assert gold.gold_score(long) < gold.gold_score(good) - 1.0  # ~50 words over the budget
+    assert gold.gold_score("great great great great great great") < gold.gold_score("great")  # repetition
+    assert gold.gold_score("   ") == -1.0
+    assert gold.gold_judge(["p"], [[{"role": "assistant", "content": good}]]) == [gold.gold_score(good)]
+
+
+def test_prompts_are_disjoint_between_train_and_held_out():
+    train, held = gold.review_prompts(80, 24, seed=0)
+    assert len(train) == 80 and len(held) == 24 and not set(train) & set(held)
+    items = [f"'{t}'" for t in gold.FILMS] + gold.PRODUCTS
+
+    def named(prompts):
+        return {i for i in items if any(i in p for p in prompts)}
+
+    assert named(train) and named(held) and not named(train) & named(held)
+
+
+def test_demo_interrupt_resume_and_report(tiny_policy_dir, tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    # the quick preset, shrunk further for the tiny model: the stages and files are what is tested
+    monkeypatch.setattr(demo, "QUICK", dataclasses.replace(demo.QUICK, train_prompts=8, eval_prompts=4,
+                                                           response_length=6, rm_layers=1, policy_layers=1))
+    out = tmp_path / "demo"
+    args = ["demo", "--quick", "--model", str(tiny_policy_dir), "--output-dir", str(out), "--quiet",
+            "--steps", "2", "--precision", "fp32"]
+    real = demo.Demo.reward_model
+
+    def ctrl_c(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo.Demo, "reward_model", ctrl_c)
+    assert cli.main(args) == 130
+    err = capsys.readouterr().err
+    assert "interrupted during stage 'reward_model'" in err and "--resume" in err and "Traceback" not in err
+    state = json.loads((out / "demo.json").read_text())
+    assert state["done"] == ["task", "pairs"]
+    pairs = [json.loads(x) for x in (out / "pairs_train.jsonl").read_text().splitlines()]
+    assert pairs and {"prompt", "chosen", "rejected", "gold_chosen", "gold_rejected"} <= set(pairs[0])
+
+    # an existing directory is refused without --overwrite/--resume
+    assert cli.main(args) == 2
+    assert "already exists" in capsys.readouterr().err
+
+    monkeypatch.setattr(demo.Demo, "reward_model", real)
+    assert cli.main(args + ["--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "[2/5] pairs: already done" in err and "report:" in err
+    state = json.loads((out / "demo.json").read_text())
+    assert state["done"] == ["task", "pairs", "reward_model", "ppo", "report"]
+    assert 0 <= state["rm_accuracy"] <= 1 and set(state["gold"]) >= {"before", "end", "best"}
+    assert state["gold"]["before"]["step"] == 0 and state["gold"]["end"]["step"] == 2
+    assert "gold_gain" in state and (out / "best.json").is_file() and (out / "best").is_dir()
+    html = (out / "report.html").read_text()
+    assert "Gold judge" in html and "best-gold checkpoint" in html and "proxy_rm" in html
+
+
+
+def test_no_space_is_one_line(tmp_path, monkeypatch, capsys):
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(demo.Demo, "task", full)
+    assert cli.main(["demo", "--quick", "--output-dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: no space left on device") and "Traceback" not in "".join(err)

@@ -1,0 +1,176 @@
+"""Alarms on hand-made metric rows (each fires and stays quiet), and the HTML report of a tiny run."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import pytest
+
+from ppolm import alarms
+
+# --------------------------------------------------------------------------------------- alarms
+
+
+def rows(n=10, **series):
+    """n metric rows with healthy defaults; a keyword overrides one metric with a list or a function of step."""
+    healthy = {"response/length_mean": 20.0, "policy/entropy_avg": 1.5, "objective/kl": 2.0, "adv/var": 0.5,
+               "val/vf_explained_var": 0.4}
+    out = []
+    for i in range(n):
+        r = {"step": i, **healthy}
+        for k, v in series.items():
+            r[k] = v[i] if isinstance(v, list) else v(i) if callable(v) else v
+        out.append(r)
+    return out
+
+
+def test_healthy_run_fires_nothing():
+    assert alarms.check_all(rows(12), kl_target=6.0) == []
+
+
+def test_length_drift():
+    a = alarms.length_drift(rows(10, **{"response/length_mean": lambda i: 20 + 4 * i}))
+    assert a and a.name == "length_drift" and a.step >= 3 and "longer" in a.message
+    assert alarms.length_drift(rows(10, **{"response/length_mean": lambda i: 20 + 0.3 * i})) is None
+    # relative change large but under the absolute floor of 4 tokens: quiet
+    assert alarms.length_drift(rows(10, **{"response/length_mean": lambda i: 2 + 0.3 * i})) is None
+
+
+def test_entropy_collapse():
+    a = alarms.entropy_collapse(rows(10, **{"policy/entropy_avg": lambda i: 1.5 * 0.6 ** i}))
+    assert a and a.name == "entropy_collapse" and a.values["entropy"] < 0.3 * a.values["baseline"]
+    assert alarms.entropy_collapse(rows(10, **{"policy/entropy_avg": lambda i: 1.5 - 0.05 * i})) is None
+
+
+def test_kl_runaway():
+    a = alarms.kl_runaway(rows(10, **{"objective/kl": lambda i: 3.0 * i}), target=6.0)
+    assert a and a.name == "kl_runaway" and a.values["limit"] == 12.0
+    assert a.step == 7  # 15, 18, 21 > 12 at steps 5, 6, 7
+    # two spikes are not a runaway; negative KL is a bug sign
+    assert alarms.kl_runaway(rows(10, **{"objective/kl": [1, 20, 20, 1, 1, 1, 1, 1, 1, 1]}), target=6.0) is None
+    neg = alarms.kl_runaway(rows(5, **{"objective/kl": [0, -0.5, -3, 0, 0]}), target=6.0)
+    assert neg and neg.step == 2 and "negative" in neg.message
+
+
+def test_advantage_explosion():
+    a = alarms.advantage_explosion(rows(8, **{"adv/var": [0.5, 0.5, 0.5, 0.6, 0.7, 9.0, 0.5, 0.5]}))
+    assert a and a.step == 5
+    assert alarms.advantage_explosion(rows(8, **{"adv/var": lambda i: 0.5 + 0.2 * i})) is None
+    inf = alarms.advantage_explosion(rows(4, **{"adv/var": [0.5, "inf", 0.5, 0.5]}))
+    assert inf and inf.step == 1
+
+
+def test_value_not_learning():
+    a = alarms.value_not_learning(rows(8, **{"val/vf_explained_var": lambda i: -0.2 + 0.01 * i}))
+    assert a and a.name == "value_not_learning" and a.step == 7
+    assert alarms.value_not_learning(rows(8, **{"val/vf_explained_var": lambda i: -0.5 + 0.15 * i})) is None
+    assert alarms.value_not_learning(rows(4, **{"val/vf_explained_var": -1.0})) is None  # too early to say
+
+
+def eval_rows(gold, proxy, se=0.02):
+    return [{"step": 5 * i, "eval/rm": p, "eval/gold_judge": g, "eval/gold_judge_se": se}
+            for i, (g, p) in enumerate(zip(gold, proxy))]
+
+
+def test_over_optimisation():
+    a = alarms.over_optimisation(eval_rows([0.1, 0.4, 0.5, 0.3], [0.0, 1.0, 2.0, 3.0]),
+                                 proxy="eval/rm", gold="eval/gold_judge")
+    assert a and a.step == 15 and a.values["peak_step"] == 10 and a.values["gold_now"] == 0.3
+    # gold falls but only within noise: quiet
+    assert alarms.over_optimisation(eval_rows([0.1, 0.4, 0.5, 0.48], [0, 1, 2, 3]),
+                                    proxy="eval/rm", gold="eval/gold_judge") is None
+    # gold falls but the proxy falls too (not Goodhart, just a worse policy): quiet
+    assert alarms.over_optimisation(eval_rows([0.1, 0.4, 0.5, 0.3], [0, 1, 2, 1.5]),
+                                    proxy="eval/rm", gold="eval/gold_judge") is None
+    # check_all only runs it when both names are given; rows without eval metrics are skipped
+    mixed = rows(16) + eval_rows([0.1, 0.4, 0.5, 0.3], [0.0, 1.0, 2.0, 3.0])
+    assert [x.name for x in alarms.check_all(mixed, proxy="eval/rm", gold="eval/gold_judge")] == ["over_optimisation"]
+    assert alarms.check_all(mixed) == []
+
+
+def test_watcher_prints_each_alarm_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    bad = rows(10, **{"policy/entropy_avg": lambda i: 1.5 * 0.5 ** i})
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad[:2]))
+    said: list[str] = []
+    w = alarms.AlarmWatcher(path, lambda r: alarms.check_all(r), emit=said.append)
+    assert w.poll() == []
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    assert [a.name for a in w.poll()] == ["entropy_collapse"]
+    assert w.poll() == [] and len(said) == 1 and said[0].startswith("warning: alarm entropy_collapse")
+
+
+# --------------------------------------------------------------------------------------- report
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_policy_dir, tiny_rm_dir, tmp_path_factory):
+    """A 3-step PPO run of the tiny model against the tiny RM, evaluated with a gold judge."""
+    from ppolm import config
+    from ppolm.ppo import train_ppo
+    from ppolm.ppo_config import PPOConfig
+
+    tmp = tmp_path_factory.mktemp("report")
+    evalp = tmp / "eval.jsonl"
+    evalp.write_text("".join(json.dumps({"prompt": f"Review the film number {i}."}) + "\n" for i in range(4)))
+    out = tmp / "run"
+    cfg = config.build(PPOConfig, dict(
+        model=str(tiny_policy_dir), reward_model=[str(tiny_rm_dir)], steps=3, batch_size=4, minibatches=2,
+        ppo_epochs=1, response_length=8, output_dir=str(out), quiet=True, precision="fp32", save_every=10,
+        sample_every=1, eval_prompts=str(evalp), eval_every=2, eval_reward_fn=["ppolm.gold:gold_judge"],
+        best_metric="eval/gold_judge"))
+    train_ppo(cfg)
+    return out
+
+
+def test_report_of_a_tiny_run(tiny_run):
+    from ppolm.report import write_report
+
+    (tiny_run / "demo.json").write_text(json.dumps({
+        "task": "Write a short positive review.", "judge": "VADER minus penalties", "rm_accuracy": 0.7,
+        "rm_accuracy_n": 20, "gold": {"before": {"mean": 0.1, "se": 0.05}, "best": {"mean": 0.4, "se": 0.05,
+                                                                                     "step": 2, "kl": 1.5}}}))
+    path = write_report(tiny_run)
+    assert path == tiny_run / "report.html"
+    html = path.read_text()
+    pngs = sorted(p.name for p in (tiny_run / "plots").glob("*.png"))
+    for name in ("rewards_vs_step.png", "rewards_vs_kl.png", "kl_beta.png", "entropy.png", "clip_approxkl.png",
+                 "explained_variance.png", "length.png"):
+        assert name in pngs
+    # self-contained: every image is inline base64 PNG, nothing is fetched
+    imgs = re.findall(r'<img src="([^"]+)"', html)
+    assert len(imgs) == len(pngs)
+    for src in imgs:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1])[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "http://" not in html and "https://" not in html.replace("https://arxiv.org", "")
+    for text in ("gold_judge", "Alarms", "Config", "Write a short positive review.", "kl_coef", "0.700"):
+        assert text in html, text
+    assert "Review the film number" in html  # held-out samples table
+
+
+def test_report_without_gold_or_eval(tiny_policy_dir, tmp_path):
+    """Any `ppolm ppo` run: no eval, no gold columns; the CLI regenerates the report."""
+    from ppolm import cli, config
+    from ppolm.ppo import train_ppo
+    from ppolm.ppo_config import PPOConfig
+
+    out = tmp_path / "plain"
+    train_ppo(config.build(PPOConfig, dict(model=str(tiny_policy_dir), steps=2, batch_size=2, minibatches=1,
+                                           ppo_epochs=1, response_length=6, output_dir=str(out), quiet=True,
+                                           precision="fp32", save_every=10)))
+    assert cli.main(["report", "--run-dir", str(out)]) == 0
+    html = (out / "report.html").read_text()
+    text = re.sub(r'src="data:[^"]+"', "", html).replace(str(out.resolve()), "")
+    assert "gold" not in text.lower()
+    assert (out / "plots" / "rewards_vs_step.png").is_file()
+
+
+def test_report_refuses_a_non_run(tmp_path, capsys):
+    from ppolm import cli
+
+    assert cli.main(["report", "--run-dir", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "nope" in err and "Traceback" not in err

@@ -1,0 +1,223 @@
+"""``ppolm reward`` / ``reward-eval`` on tiny random models: learning, normalisation, outputs, PPO use, bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from ppolm import config, models
+from ppolm.cli import main
+from ppolm.reward_train import (
+    RewardTrainConfig,
+    encode_pairs,
+    evaluate_pairs,
+    load_pairs,
+    normalize_reward_model,
+    reference_scores,
+    train_reward,
+)
+from ppolm.rewards import NORM_FILE, RewardModel, read_norm
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from several threads, and thread sync costs a lot on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+WORDS = "the a cat dog sun tree river house blue green small big quick slow old new red road hill lamp".split()
+MARKER = "kindly"
+
+
+def marker_pairs(n, seed):
+    """Pairs whose chosen response alone contains the marker word; same lengths, so only the word tells."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 8))]
+        chosen = list(words)
+        chosen.insert(rng.randint(0, len(words)), MARKER)
+        rejected = list(words)
+        rejected.insert(rng.randint(0, len(words)), rng.choice(WORDS))
+        rows.append({"prompt": f"Say something about item {i}.", "chosen": " ".join(chosen),
+                     "rejected": " ".join(rejected)})
+    return rows
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def rm_cfg(model_dir, data, out, **over):
+    base = dict(model=str(model_dir), data=str(data), output_dir=str(out), epochs=2, batch_size=8, lr=3e-3,
+                train_layers=1, quiet=True, precision="fp32", norm_samples=16, norm_response_length=8)
+    return config.build(RewardTrainConfig, {**base, **over})
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_policy_dir, tmp_path_factory):
+    """A tiny RM trained from the tiny *causal* policy (as from `ppolm sft`), plus its data."""
+    root = tmp_path_factory.mktemp("rm")
+    train = write_jsonl(root / "train.jsonl", marker_pairs(64, seed=0))
+    held = write_jsonl(root / "held.jsonl", marker_pairs(32, seed=1))
+    rows = train_reward(rm_cfg(tiny_policy_dir, train, root / "rm_a", eval_data=str(held)))
+    return {"dir": root / "rm_a", "rows": rows, "train": train, "held": held, "root": root}
+
+
+def test_marker_pairs_reach_high_held_out_accuracy(trained):
+    rows = trained["rows"]
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    assert rows[0]["eval_accuracy"] < 0.8 and rows[-1]["eval_accuracy"] >= 0.9, rows
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+    logged = [json.loads(x) for x in (trained["dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert all({"eval_accuracy", "eval_loss"} <= set(r) for r in logged)
+    assert (trained["dir"] / "reward_config.yaml").is_file()
+
+
+def test_output_loads_in_plain_transformers_and_ranks_as_ppolm(trained, tokenizer):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    d = trained["dir"]
+    hf = AutoModelForSequenceClassification.from_pretrained(d).eval()
+    hf_tok = AutoTokenizer.from_pretrained(d)
+    assert hf_tok.get_vocab() == tokenizer.get_vocab()
+    rm = RewardModel(str(d), dtype=torch.float32, device="cpu")
+    gain, bias = read_norm(d)
+    assert (gain, bias) != (1.0, 0.0)
+    encoded = encode_pairs(load_pairs(str(trained["held"]))[:6], rm.tokenizer, True, 512)
+    for c, r, _ in encoded:
+        raw = [hf(input_ids=torch.tensor([x])).logits[0, 0].item() for x in (c, r)]
+        ours = [rm.score_ids(torch.tensor([x]), torch.ones(1, len(x), dtype=torch.long)).item() for x in (c, r)]
+        assert ours == pytest.approx([gain * v + bias for v in raw], abs=1e-4)  # a monotone affine map
+        assert (raw[0] > raw[1]) == (ours[0] > ours[1])
+
+
+def test_normalisation_gives_mean_0_std_1_on_reference_samples(tiny_rm_dir, tiny_policy_dir, tmp_path):
+    rm_dir = tmp_path / "rm"
+    shutil.copytree(tiny_rm_dir, rm_dir)
+    prompts = ["Tell me a story.", "What is the weather like?", [{"role": "user", "content": "Hello!"}]]
+    kw = dict(response_length=8, seed=3, precision="fp32")
+    gain, bias = normalize_reward_model(rm_dir, str(tiny_policy_dir), prompts, 24, device="cpu", **kw)
+    stored = json.loads((rm_dir / NORM_FILE).read_text())
+    assert stored["gain"] == gain and stored["bias"] == bias and stored["n_samples"] == 24
+    rm = RewardModel(str(rm_dir), dtype=torch.float32, device="cpu")  # loads with the normalisation applied
+    same = reference_scores(rm, str(tiny_policy_dir), prompts, 24, **kw)
+    assert same.mean().item() == pytest.approx(0.0, abs=1e-4)
+    assert same.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+    fresh = reference_scores(rm, str(tiny_policy_dir), prompts, 32, **{**kw, "seed": 4})  # new samples
+    assert abs(fresh.mean().item()) < 0.6 and 0.5 < fresh.std().item() < 1.6
+
+
+def test_train_layers_freezes_the_lower_layers(tiny_policy_dir, trained, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "top1"
+    train_reward(rm_cfg(tiny_policy_dir, trained["train"], out, train_layers=1, epochs=1, normalize=False))
+    before, after = load_file(str(tiny_policy_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    for k, v in after.items():
+        if k.startswith("score."):
+            continue
+        changed = not torch.equal(before[k], v)
+        assert changed == (k.startswith("model.layers.1.") or k == "model.norm.weight"), k
+
+
+def test_lora_margin_and_centring(tiny_policy_dir, trained, tmp_path):
+    rows = marker_pairs(24, seed=5)
+    for r in rows:
+        r["margin"] = 1.0
+    data = write_jsonl(tmp_path / "m.jsonl", rows)
+    pairs = load_pairs(str(data))
+    assert all(p.margin == 1.0 for p in pairs)
+    assert all(p.margin == 0.0 for p in load_pairs(str(data), margin_column=None))
+    out = tmp_path / "lora"
+    res = train_reward(rm_cfg(tiny_policy_dir, data, out, lora_r=4, center_coef=0.1, epochs=1, normalize=False))
+    assert "eval_accuracy" in res[-1]
+    assert not (out / NORM_FILE).exists() and models.has_scalar_head(out)
+    rm = RewardModel(str(out), dtype=torch.float32, device="cpu")
+    enc = encode_pairs(pairs, rm.tokenizer, True, 512)
+    with_m = evaluate_pairs(lambda s: rm.score_texts([rm.tokenizer.decode(x) for x in s]), enc, 8)
+    no_m = evaluate_pairs(lambda s: rm.score_texts([rm.tokenizer.decode(x) for x in s]),
+                          [(c, r, 0.0) for c, r, _ in enc], 8)
+    assert with_m["accuracy"] == no_m["accuracy"] and with_m["loss"] > no_m["loss"]
+
+
+def test_ppo_runs_with_the_trained_rm_and_an_ensemble_of_two(trained, tiny_policy_dir, tmp_path):
+    from ppolm.ppo import train_ppo
+    from ppolm.ppo_config import PPOConfig
+
+    rm_b = trained["root"] / "rm_b"
+    if not rm_b.exists():
+        train_reward(rm_cfg(tiny_policy_dir, trained["train"], rm_b, epochs=1, seed=1, train_layers=0,
+                            normalize=False))
+    base = dict(model=str(tiny_policy_dir), steps=1, batch_size=4, minibatches=1, ppo_epochs=1, response_length=6,
+                quiet=True, precision="fp32", prompts=str(trained["held"]))
+    one = train_ppo(config.build(PPOConfig, {**base, "reward_model": [str(trained["dir"])],
+                                             "output_dir": str(tmp_path / "p1")}))
+    assert "reward/rm_a" in one.metrics[0]
+    two = train_ppo(config.build(PPOConfig, {**base, "reward_model": [str(trained["dir"]), str(rm_b)],
+                                             "reward_ensemble": "min", "output_dir": str(tmp_path / "p2")}))
+    m = two.metrics[0]
+    assert {"reward/rm/rm_a", "reward/rm/rm_b", "reward/ensemble_min"} <= set(m)
+    assert m["reward/ensemble_min"] <= min(m["reward/rm/rm_a"], m["reward/rm/rm_b"]) + 1e-6
+
+
+def test_reward_eval_cli(trained, capsys, tmp_path):
+    out = tmp_path / "r.json"
+    code = main(["reward-eval", "--reward-model", str(trained["dir"]), "--data", str(trained["held"]),
+                 "--output", str(out), "--precision", "fp32"])
+    line = capsys.readouterr().out
+    assert code == 0 and "accuracy" in line
+    r = json.loads(out.read_text())
+    assert r["n"] == 32 and r["accuracy"] == pytest.approx(trained["rows"][-1]["eval_accuracy"])
+
+
+def cli_error(args, capsys):
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("rows,needle", [
+    ([{"prompt": "p", "chosen": "same", "rejected": "same"}], "'chosen' equals 'rejected'"),
+    ([{"prompt": "p", "chosen": "a"}], "no 'rejected' column (columns: prompt, chosen)"),
+    ([{"prompt": "p", "good": "a", "bad": "b"}], "no 'chosen' or 'rejected' column"),
+    ([{"chosen": "a", "rejected": "b"}], "add a 'prompt' column"),
+    ([{"prompt": "p", "chosen": "a", "rejected": "b", "margin": "big"}], "'margin' must be a number"),
+    ([], "holds no rows"),
+])
+def test_bad_pairs_are_one_line_exit_2(tiny_policy_dir, tmp_path, capsys, rows, needle):
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    line = cli_error(["reward", "--model", str(tiny_policy_dir), "--data", str(data), "--output-dir",
+                      str(tmp_path / "o"), "--quiet"], capsys)
+    assert needle in line, line
+
+
+def test_reward_model_without_scalar_head(tiny_policy_dir, trained, tmp_path, capsys):
+    line = cli_error(["reward-eval", "--reward-model", str(tiny_policy_dir), "--data", str(trained["held"])], capsys)
+    assert "no scalar head" in line and "ppolm reward" in line
+    line = cli_error(["ppo", "--model", str(tiny_policy_dir), "--reward-model", str(tiny_policy_dir),
+                      "--output-dir", str(tmp_path / "p"), "--steps", "1", "--quiet"], capsys)
+    assert "no scalar head" in line
+
+
+def test_chat_list_pairs(tmp_path, tokenizer):
+    conv = [{"role": "user", "content": "Hi"}]
+    data = write_jsonl(tmp_path / "c.jsonl", [
+        {"chosen": conv + [{"role": "assistant", "content": "Hello!"}],
+         "rejected": conv + [{"role": "assistant", "content": "Go away."}]},
+        {"prompt": conv, "chosen": [{"role": "assistant", "content": "Hello!"}],
+         "rejected": [{"role": "assistant", "content": "Go away."}]},
+        {"prompt": "Hi", "chosen": "Hello!", "rejected": "Go away."},
+    ])
+    a, b, c = encode_pairs(load_pairs(str(data)), tokenizer, True, 512)
+    assert a == b == c
+    assert tokenizer.decode(a[0]).endswith("<|im_start|>assistant\nHello!<|im_end|>")
