@@ -8,6 +8,7 @@ tokenizer (and, for the slow tests, the dequantised model) is extracted from the
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ppolm.models import build_tiny_model_dir, load_tokenizer
 
@@ -28,3 +29,13 @@ def tiny_rm_dir(tmp_path_factory):
 def tokenizer(tiny_policy_dir):
     """The SmolLM2 tokenizer as ppolm loads it: left padding, PAD = <|endoftext|> (0), EOS = <|im_end|> (2)."""
     return load_tokenizer(tiny_policy_dir)
+
+
+@pytest.fixture()
+def one_thread():
+    """One torch thread: tiny models gain nothing from more, and on a busy 2-core machine OpenMP
+    threads of several processes spin against each other (5-15x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from ppolm import config
 from ppolm.cli import main
@@ -21,13 +20,7 @@ EXAMPLES = ROOT / "examples"
 REWARD_FILE = "def short(prompts, completions, **kw):\n    return [float(len(c.split()) <= 5) for c in completions]\n"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from several threads, and thread sync costs a lot on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -58,12 +58,7 @@ def reward_file(tmp_path_factory):
     return p
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def ppo_args(model, reward, out, *, steps=6, fn="length", extra=()):

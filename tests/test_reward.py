@@ -22,14 +22,7 @@ from ppolm.reward_train import (
 )
 from ppolm.rewards import NORM_FILE, RewardModel, read_norm
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from several threads, and thread sync costs a lot on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 WORDS = "the a cat dog sun tree river house blue green small big quick slow old new red road hill lamp".split()

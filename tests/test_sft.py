@@ -12,15 +12,8 @@ from ppolm.cli import main
 from ppolm.errors import PPOLMError
 from ppolm.sft import SFTConfig, collate, load_demos, sft_loss, train_sft
 
-
 # A memorisable set: the same few answers, one word each.
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from several threads, and thread sync costs a lot on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 MEMO = [{"prompt": f"Question {i}: what is the code word?", "response": "banana"} for i in range(6)]
