@@ -679,6 +679,9 @@ class PPOTrainer:
         try:
             # The first eval and step run before anything is written: a reward function that raises
             # or returns garbage fails with the output directory exactly as it was.
+            t_begin = time.perf_counter()
+            print(f"{'evaluating, then ' if evaluating and self.start_step == 0 else ''}running step "
+                  f"{self.start_step + 1}/{cfg.algo.steps} (the progress bar starts after it)", file=sys.stderr)
             first_eval = self.evaluate(0) if evaluating and self.start_step == 0 else None
             first = self.step(self.start_step) if self.start_step < cfg.algo.steps else None
             prepare_output_dir(self.out, cfg, commit=True)
@@ -703,7 +706,7 @@ class PPOTrainer:
         tracker = None
         step = self.start_step
         try:
-            tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet)
+            tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet, t0=t_begin)
             if first_eval is not None:
                 tracker.log_eval(0, *first_eval)
                 self.maybe_keep_best(0, first_eval[0])

@@ -42,13 +42,14 @@ def _clean(v: Any) -> Any:
 class Tracker:
     """Append per-step metrics (JSONL + TensorBoard) and samples; drive a progress bar."""
 
-    def __init__(self, out: Path, total_steps: int, start_step: int, quiet: bool, desc: str = "ppo"):
+    def __init__(self, out: Path, total_steps: int, start_step: int, quiet: bool, desc: str = "ppo",
+                 t0: float | None = None):
         self.out = out
         self.metrics_path = out / "metrics.jsonl"
         self.samples_path = out / "samples.jsonl"
         self.quiet = quiet
         self.total = total_steps
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0  # when the run's first step began
         self.start = start_step
         from torch.utils.tensorboard import SummaryWriter
 
