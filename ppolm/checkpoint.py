@@ -193,7 +193,7 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str
             os.fsync(fh.fileno())
         _fsync_dir(tmp)
         if final.exists():  # a checkpoint being redone (the newer one was corrupt): replace it
-            shutil.rmtree(final)
+            discard(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     except OSError as e:
@@ -204,10 +204,22 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str
         raise
     for path in list_checkpoints(root):  # newer ones are corrupt leftovers of the steps being redone
         if path.name > final.name:
-            shutil.rmtree(path, ignore_errors=True)
+            discard(path)
     for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        discard(old)
     return final
+
+
+def discard(path: Path) -> None:
+    """Delete a checkpoint directory without ever leaving a half-deleted ``step-*`` behind: it is first
+    renamed out of the ``step-*`` names (atomic), then removed; a kill midway leaves a ``.tmp-*``
+    directory that the next save clears as stale."""
+    trash = path.with_name(f".tmp-{path.name}-old-{os.getpid()}")
+    try:
+        os.replace(path, trash)
+    except OSError:
+        trash = path
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def list_checkpoints(root: Path) -> list[Path]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -88,8 +87,16 @@ class RewardTrainConfig:
     """Device: auto picks cuda when available."""
     seed: int = 0
     """Random seed (split, shuffling, head init, normalisation samples)."""
+    save_every: int = 50
+    """Write a resumable checkpoint every N optimiser steps (and at the end, and on Ctrl-C/SIGTERM)."""
+    keep_last: int = 2
+    """Keep only the newest K checkpoints."""
+    resume: bool = False
+    """Continue from the newest valid checkpoint in --output-dir (same options as the run it continues)."""
     overwrite: bool = False
-    """Allow writing into an --output-dir that already holds files (they are replaced)."""
+    """Allow writing into an --output-dir that already holds files (they are replaced once the data and model have loaded)."""
+    max_skipped_updates: int = 3
+    """Abort after this many consecutive updates skipped for a non-finite (NaN/inf) loss or gradient."""
     quiet: bool = False
     """No progress bar."""
     trust_remote_code: bool = False
@@ -223,15 +230,22 @@ def freeze_lower_layers(model: Any, n: int) -> None:
 
 
 def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
-    """Train, save and (by default) normalise a reward model; returns the metrics rows (epoch 0 = before)."""
-    from ppolm import config, models
+    """Train, save and (by default) normalise a reward model; returns the metrics rows (epoch 0 = before).
+
+    Stopped by Ctrl-C/SIGTERM, it saves a checkpoint and returns the rows so far without saving the model
+    (continue with ``resume=True``)."""
+    return _train_reward(cfg)[0]
+
+
+def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
+    from ppolm import checkpoint, models
     from ppolm.ppo import resolve_device, resolve_precision, seed_everything
 
     cfg.validate()
     out = Path(cfg.output_dir)
-    common.prepare_output_dir(out, cfg.overwrite)
     device = resolve_device(cfg.device)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # 'auto' -> bf16|fp32
+    common.prepare_output_dir(out, cfg, "reward_config.yaml")  # checks only: nothing changes before the inputs load
     seed_everything(cfg.seed)
     tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     pairs = load_pairs(cfg.data, cfg.margin_column)  # type: ignore[arg-type]
@@ -241,6 +255,9 @@ def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
                             cfg.eval_data)
     else:
         train, held = common.split_rows(train, cfg.eval_fraction, cfg.seed)
+    if not train:
+        raise PPOLMError(f"{cfg.data} leaves no training pairs after the held-out split; add rows or lower "
+                         "--eval-fraction")
     model = models.load_scalar_model(cfg.model, head_init="reward", dtype=torch.float32, device=device,
                                      tokenizer=tok, trust_remote_code=cfg.trust_remote_code,
                                      allow_pickle=cfg.allow_pickle)
@@ -248,7 +265,11 @@ def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
     if cfg.lora_r == 0:
         freeze_lower_layers(model, cfg.train_layers)
     params = [p for p in model.parameters() if p.requires_grad]
-    config.save_yaml(cfg, out / "reward_config.yaml")
+    common.prepare_output_dir(out, cfg, "reward_config.yaml", commit=True)
+    try:
+        common.write_config(cfg, out / "reward_config.yaml")
+    except OSError as e:
+        raise checkpoint.disk_error(e, out) from None
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     opt, sched = common.make_optimizer(params, cfg, steps_per_epoch * cfg.epochs)
     pad = tok.pad_token_id
@@ -264,44 +285,24 @@ def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
             row.update(eval_accuracy=ev["accuracy"], eval_loss=ev["loss"], eval_margin=ev["margin"])
         return row
 
-    rows = [held_out({"epoch": 0})] if held else []
-    if rows:
-        common.log_epoch(out, rows[0])
-    bar = common.Bar("reward", steps_per_epoch * cfg.epochs, cfg.quiet)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    try:
-        for epoch in range(1, cfg.epochs + 1):
-            model.train()
-            t0, tokens, losses, correct = time.perf_counter(), 0, [], 0
-            order = torch.randperm(len(train), generator=gen).tolist()
-            for b in range(0, len(order), cfg.batch_size):
-                batch = [train[j] for j in order[b:b + cfg.batch_size]]
-                s = scores([c for c, _, _ in batch] + [r for _, r, _ in batch])
-                rc, rr = s[:len(batch)], s[len(batch):]
-                loss = core.pairwise_loss(rc, rr, torch.tensor([m for _, _, m in batch], device=device))
-                if cfg.center_coef:
-                    loss = loss + cfg.center_coef * ((rc + rr) ** 2).mean()
-                value = loss.item()
-                if not math.isfinite(value):
-                    raise PPOLMError(f"the training loss became {value} in epoch {epoch}; lower --lr "
-                                     "or use --precision fp32")
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                sched.step()
-                tokens += sum(len(c) + len(r) for c, r, _ in batch)
-                losses.append(value)
-                correct += int((rc > rr).sum())
-                bar.advance(f"epoch {epoch}  loss {value:.3f}")
-            dt = time.perf_counter() - t0
-            row = held_out({"epoch": epoch, "train_loss": sum(losses) / len(losses),
-                            "train_accuracy": correct / len(train)})
-            row.update(tokens=tokens, tokens_per_s=tokens / dt, time_s=dt)
-            rows.append(row)
-            common.log_epoch(out, row)
-    finally:
-        bar.close()
+    def step_fn(idx: list[int]) -> tuple[torch.Tensor, int, dict[str, int]]:
+        batch = [train[j] for j in idx]
+        s = scores([c for c, _, _ in batch] + [r for _, r, _ in batch])
+        rc, rr = s[:len(batch)], s[len(batch):]
+        loss = core.pairwise_loss(rc, rr, torch.tensor([m for _, _, m in batch], device=device))
+        if cfg.center_coef:
+            loss = loss + cfg.center_coef * ((rc + rr) ** 2).mean()
+        return loss, 1, {"tokens": sum(len(c) + len(r) for c, r, _ in batch), "correct": int((rc > rr).sum())}
+
+    def epoch_row(epoch: int, acc: dict[str, Any]) -> dict[str, Any]:
+        return held_out({"epoch": epoch, "train_loss": acc["loss_sum"] / acc["loss_n"] if acc["loss_n"] else None,
+                         "train_accuracy": acc.get("correct", 0) / len(train)})
+
+    loop = common.TrainLoop(cfg, out, model, opt, sched, len(train), "reward", step_fn, epoch_row,
+                            lambda: held_out({"epoch": 0}) if held else None)
+    if not loop.run():
+        return loop.rows, False
+    rows = loop.rows
     common.save_model(model, tok, out, merge=True)
     if cfg.normalize:
         prompts = [p.prompt for p in pairs]
@@ -312,7 +313,7 @@ def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
                                             precision=cfg.precision, chat_template=cfg.chat_template,
                                             batch_size=cfg.batch_size)
         rows[-1].update(norm_gain=gain, norm_bias=bias)
-    return rows
+    return rows, True
 
 
 # ------------------------------------------------------------------------------------ normalisation
@@ -379,7 +380,9 @@ def normalize_reward_model(rm_dir: str | Path, policy: str, prompts: str | list[
 
 
 def run(cfg: RewardTrainConfig) -> int:
-    rows = train_reward(cfg)
+    rows, finished = _train_reward(cfg)
+    if not finished:
+        return 130
     last = rows[-1]
     acc = f", held-out accuracy {last['eval_accuracy']:.3f}" if "eval_accuracy" in last else ""
     norm = " (normalised: mean 0, std 1 on reference samples)" if cfg.normalize else ""

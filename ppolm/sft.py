@@ -6,8 +6,9 @@ capacity on text the policy never has to produce. Each example is encoded exactl
 samples (chat template with the generation prompt, then the response and EOS), so the SFT model
 starts PPO already ending its answers with EOS.
 
-The small training helpers here (output dir, device, split, progress bar, optimiser) are shared
-with :mod:`ppolm.reward_train`.
+The training helpers here (output dir, split, progress bar, optimiser, and :class:`TrainLoop`:
+checkpoints, ``--resume``, Ctrl-C/SIGTERM, the non-finite guard) are shared with
+:mod:`ppolm.reward_train`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import shutil
+import signal
 import sys
+import threading
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +32,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from ppolm import checkpoint
 from ppolm.errors import PPOLMError
 
 
@@ -73,8 +80,16 @@ class SFTConfig:
     """Device: auto picks cuda when available."""
     seed: int = 0
     """Random seed (data split, shuffling, LoRA init)."""
+    save_every: int = 50
+    """Write a resumable checkpoint every N optimiser steps (and at the end, and on Ctrl-C/SIGTERM)."""
+    keep_last: int = 2
+    """Keep only the newest K checkpoints."""
+    resume: bool = False
+    """Continue from the newest valid checkpoint in --output-dir (same options as the run it continues)."""
     overwrite: bool = False
-    """Allow writing into an --output-dir that already holds files (they are replaced)."""
+    """Allow writing into an --output-dir that already holds files (they are replaced once the data and model have loaded)."""
+    max_skipped_updates: int = 3
+    """Abort after this many consecutive updates skipped for a non-finite (NaN/inf) loss or gradient."""
     quiet: bool = False
     """No progress bar; one log line per epoch instead."""
     trust_remote_code: bool = False
@@ -98,6 +113,10 @@ def check_common(cfg: Any) -> None:
     need(0 <= cfg.eval_fraction < 1, f"--eval-fraction must be in [0, 1); got {cfg.eval_fraction}")
     need(cfg.max_length >= 8, f"--max-length must be at least 8; got {cfg.max_length}")
     need(cfg.lora_r >= 0, f"--lora-r must be >= 0; got {cfg.lora_r}")
+    for name, v in (("save-every", cfg.save_every), ("keep-last", cfg.keep_last),
+                    ("max-skipped-updates", cfg.max_skipped_updates)):
+        need(v >= 1, f"--{name} must be at least 1; got {v}")
+    need(not (cfg.resume and cfg.overwrite), "--resume and --overwrite exclude each other; pick one")
     out = Path(cfg.output_dir).expanduser().resolve()
     for name, p in (("--model", cfg.model), ("--data", cfg.data), ("--eval-data", cfg.eval_data)):
         if p is not None and (out == Path(p).expanduser().resolve() or out in Path(p).expanduser().resolve().parents):
@@ -107,23 +126,74 @@ def check_common(cfg: Any) -> None:
 
 # ------------------------------------------------------------------------- shared training helpers
 
-def prepare_output_dir(out: Path, overwrite: bool) -> None:
-    """Refuse to mix a new model with old files unless --overwrite (then the dir is emptied)."""
+RUN_CONTROL = {"resume", "overwrite", "quiet", "epochs", "save_every", "keep_last", "max_skipped_updates"}
+"""Options a resumed run may change; every other option must match the run it continues."""
+
+
+def prepare_output_dir(out: Path, cfg: Any, config_name: str, commit: bool = False) -> None:
+    """Refuse to mix runs: a non-empty --output-dir needs --resume (same options) or --overwrite.
+
+    Without ``commit`` this only checks: nothing on disk changes, so a bad input found later leaves
+    the directory exactly as it was. ``commit=True``, called once the data and the model have
+    loaded, empties the directory (--overwrite) and creates it.
+    """
+    from ppolm import config
+
     if out.exists() and not out.is_dir():
         raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
+    if commit:
+        if cfg.overwrite and out.is_dir():
+            for p in out.iterdir():
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
+        return
     if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise PPOLMError(f"--output-dir {out} already holds files; pass --overwrite to replace them "
-                             "or choose a new directory")
-        if (out / ".git").exists() or out.resolve() == Path.cwd().resolve() or out.resolve() == Path.home():
-            raise PPOLMError(f"refusing to empty {out} (a repository, the working or home directory); "
-                             "choose a dedicated --output-dir")
-        for p in out.iterdir():
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
+        if cfg.overwrite:
+            if (out / ".git").exists() or out.resolve() == Path.cwd().resolve() or out.resolve() == Path.home():
+                raise PPOLMError(f"refusing to empty {out} (a repository, the working or home directory); "
+                                 "choose a dedicated --output-dir")
+        elif cfg.resume:
+            saved = out / config_name
+            if not saved.exists():
+                raise PPOLMError(f"--output-dir {out} does not hold a run of this command (no {config_name}); "
+                                 "choose another directory")
+            diff = config_difference(config.load_yaml(saved), config.to_dict(cfg))
+            if diff:
+                raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); resume with "
+                                 "the same options, or use --overwrite or a new --output-dir")
+        else:
+            raise PPOLMError(f"--output-dir {out} already holds files; pass --overwrite to replace them, --resume "
+                             "to continue that run, or choose a new directory")
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PPOLMError(f"cannot create --output-dir {out} ({parent} is a file); choose a writable path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PPOLMError(f"cannot write to --output-dir {out} (permission denied on {parent}); "
+                         "choose a writable path")
+
+
+def config_difference(saved: Any, now: dict[str, Any]) -> str:
+    """The first option (not a run-control one) whose saved value differs from ``now``; "" if none."""
+    if not isinstance(saved, dict):
+        return f"the saved config is a {type(saved).__name__}, not a mapping"
+    for k, v in now.items():
+        if k not in RUN_CONTROL and saved.get(k, v) != v:
+            return f"{k}: {saved.get(k)!r} then, {v!r} now"
+    return ""
+
+
+def write_config(cfg: Any, path: Path) -> None:
+    """config.save_yaml, atomically (a kill mid-write never leaves a half file for --resume to read)."""
+    from ppolm import config
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    config.save_yaml(cfg, tmp)
+    os.replace(tmp, path)
 
 
 def split_rows(rows: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
@@ -146,7 +216,7 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 class Bar:
     """A rich progress bar over optimiser steps (or nothing, with --quiet); same style as ppo."""
 
-    def __init__(self, desc: str, total: int, quiet: bool):
+    def __init__(self, desc: str, total: int, quiet: bool, done: int = 0):
         self.progress = None
         if not quiet:
             from rich import progress as rp
@@ -155,7 +225,7 @@ class Bar:
                                         rp.MofNCompleteColumn(), rp.TimeElapsedColumn(), rp.TextColumn("eta"),
                                         rp.TimeRemainingColumn(), rp.TextColumn("{task.fields[live]}"))
             self.progress.start()
-            self.task = self.progress.add_task(desc, total=total, live="")
+            self.task = self.progress.add_task(desc, total=total, completed=done, live="")
 
     def advance(self, live: str) -> None:
         if self.progress is not None:
@@ -174,12 +244,220 @@ def log_epoch(out: Path, row: dict[str, Any]) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def write_rows(out: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace metrics.jsonl with ``rows`` atomically (a resumed run starts from its checkpoint's rows)."""
+    path = out / "metrics.jsonl"
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def apply_lora(model: Any, cfg: Any, task_type: str) -> Any:
     from peft import LoraConfig, get_peft_model
 
     targets: Any = cfg.lora_target if cfg.lora_target == "all-linear" else cfg.lora_target.split(",")
     return get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                                             target_modules=targets, task_type=task_type))
+
+
+StepFn = Callable[[list[int]], tuple[torch.Tensor, int, dict[str, int]]]
+"""Training rows of one batch -> (mean loss, its weight in the epoch's train_loss, counters to add up)."""
+
+
+class TrainLoop:
+    """The optimiser loop SFT and reward training share, crash-safe like ``ppolm ppo``.
+
+    * data order: one seeded permutation per epoch (drawn in sequence from ``seed``);
+    * the non-finite guard: a NaN/inf loss or gradient skips that update (the schedule still
+      advances), is counted in ``guard/skipped_updates``, warns once per cause, and aborts after
+      ``--max-skipped-updates`` consecutive skips; non-finite weights are never saved;
+    * checkpoints every ``--save-every`` optimiser steps, at the end and on Ctrl-C/SIGTERM
+      (:func:`ppolm.checkpoint.save`: atomic, manifest with checksums, the newest ``--keep-last``),
+      holding the trained parameters (those with ``requires_grad``), optimiser and scheduler
+      state, the position in the data order, the running epoch sums, every RNG state and the
+      epoch rows so far; ``--resume`` continues bit for bit from the newest valid one.
+    """
+
+    def __init__(self, cfg: Any, out: Path, model: Any, opt: torch.optim.Optimizer, sched: Any, n_train: int,
+                 desc: str, step_fn: StepFn, epoch_row: Callable[[int, dict[str, Any]], dict[str, Any]],
+                 first_row: Callable[[], dict[str, Any] | None]):
+        self.cfg, self.out, self.model, self.opt, self.sched = cfg, out, model, opt, sched
+        self.n_train, self.desc = n_train, desc
+        self.step_fn, self.epoch_row, self.first_row = step_fn, epoch_row, first_row
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.steps_per_epoch = math.ceil(n_train / cfg.batch_size)
+        self.total = self.steps_per_epoch * cfg.epochs
+        self.step = 0  # optimiser steps done (skipped ones included)
+        self.rows: list[dict[str, Any]] = []
+        self.acc: dict[str, Any] = {}
+        self.order: list[int] = []
+        self.skipped_total = self.consecutive_skips = 0
+        self.skip_cause = ""
+        self.warned: set[str] = set()
+
+    # --------------------------------------------------------------------------- state
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {f"model.{n}": p for n, p in self.named}
+        t_opt, m_opt = checkpoint.optimizer_state(self.opt, "opt")
+        t_rng, m_rng = checkpoint.rng_state()
+        tensors.update(t_opt | t_rng)
+        mid_epoch = self.step % self.steps_per_epoch != 0
+        meta = {"next_step": self.step, "epochs_done": self.step // self.steps_per_epoch,
+                "batch_in_epoch": self.step % self.steps_per_epoch, "n_train": self.n_train,
+                "batch_size": self.cfg.batch_size, "order": self.order if mid_epoch else None,
+                "epoch_sums": self.acc if mid_epoch else None, "rows": self.rows, "opt": m_opt,
+                "sched": self.sched.state_dict(), "rng": m_rng, "skipped_total": self.skipped_total,
+                "consecutive_skips": self.consecutive_skips}
+        return tensors, meta
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        if meta["n_train"] != self.n_train:
+            raise PPOLMError(f"the training data has {self.n_train} rows now but had {meta['n_train']} when the "
+                             "checkpoint was written; resume with the same --data, or start again with --overwrite")
+        with torch.no_grad():
+            for n, p in self.named:
+                p.copy_(tensors[f"model.{n}"])
+        checkpoint.load_optimizer_state(self.opt, "opt", tensors, meta["opt"])
+        self.sched.load_state_dict(meta["sched"])
+        checkpoint.set_rng_state(tensors, meta["rng"])
+        self.step, self.rows = meta["next_step"], meta["rows"]
+        self.acc, self.order = meta["epoch_sums"] or {}, meta["order"] or []
+        self.skipped_total, self.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
+
+    def resume(self) -> None:
+        found = checkpoint.load_latest(self.out / "checkpoints")
+        if not found:
+            print(f"no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
+            return
+        path, tensors, meta = found
+        try:
+            self.load_state(tensors, meta)
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            raise PPOLMError(f"checkpoint {path} does not match this model or version ({type(e).__name__}: "
+                             f"{str(e)[:120]}); resume with the same options, or start again with --overwrite"
+                             ) from None
+        print(f"resuming from {path} (step {self.step})", file=sys.stderr)
+
+    def save_checkpoint(self) -> None:
+        tensors, meta = self.state()
+        checkpoint.save(self.out / "checkpoints", self.step, tensors, meta, self.cfg.keep_last)
+
+    # --------------------------------------------------------------------------- one update
+    def warn_once(self, key: str, msg: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            checkpoint.warn(msg)
+
+    def update(self, loss: torch.Tensor) -> float | None:
+        """Backward, clip and step; skip the update on a non-finite loss or gradient. The loss value, or None."""
+        value = loss.item()
+        cause = None
+        if not math.isfinite(value):
+            cause, key = f"non-finite loss ({value})", "loss"
+        else:
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.cfg.max_grad_norm)
+            if torch.isfinite(norm):
+                self.opt.step()
+            else:
+                cause, key = "non-finite gradient", "grad"
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()  # a skipped update still advances the schedule, as an applied one would
+        if cause is None:
+            self.consecutive_skips = 0
+            return value
+        self.skipped_total += 1
+        self.consecutive_skips += 1
+        epoch = self.step // self.steps_per_epoch + 1
+        self.skip_cause = f"update {self.step + 1} (epoch {epoch}): {cause}"
+        self.warn_once(key, f"{self.skip_cause}; update skipped (counted in guard/skipped_updates)")
+        return None
+
+    # --------------------------------------------------------------------------- the loop
+    def run(self) -> bool:
+        """Train to the end (True) or until Ctrl-C/SIGTERM (False, after saving a checkpoint)."""
+        cfg, out = self.cfg, self.out
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        if cfg.resume:
+            self.resume()
+        stop = {"requested": False}
+
+        def on_signal(signum: int, frame: Any) -> None:
+            if stop["requested"]:
+                raise KeyboardInterrupt
+            stop["requested"] = True
+            print("\nstopping after this step to save a checkpoint (Ctrl-C again to abort without saving)",
+                  file=sys.stderr, flush=True)
+
+        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+            if threading.current_thread() is threading.main_thread() else {}
+        bar = None
+        try:
+            write_rows(out, self.rows)  # a resumed run redoes the rows after its checkpoint: never twice
+            if self.step == 0 and not self.rows:
+                first = self.first_row()
+                if first is not None:
+                    self.rows.append(first)
+                    log_epoch(out, first)
+            gen = torch.Generator().manual_seed(cfg.seed)
+            for _ in range(self.step // self.steps_per_epoch):  # the orders of the epochs already done
+                torch.randperm(self.n_train, generator=gen)
+            if self.step % self.steps_per_epoch and \
+                    torch.randperm(self.n_train, generator=gen).tolist() != self.order:  # resumed mid-epoch
+                raise PPOLMError("the checkpoint's data order differs from this run's; resume with the same --data, "
+                                 "--seed and --eval-fraction, or start again with --overwrite")
+            bar = Bar(self.desc, self.total, cfg.quiet, done=min(self.step, self.total))
+            self.model.train()
+            while self.step < self.total:
+                epochs_done, b = divmod(self.step, self.steps_per_epoch)
+                if b == 0:
+                    self.order = torch.randperm(self.n_train, generator=gen).tolist()
+                    self.acc = {"loss_sum": 0.0, "loss_n": 0, "tokens": 0, "time_s": 0.0}
+                    self.model.train()
+                t0 = time.perf_counter()
+                idx = self.order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+                loss, n, counters = self.step_fn(idx)
+                value = self.update(loss)
+                if value is not None:
+                    self.acc["loss_sum"] += value * n
+                    self.acc["loss_n"] += n
+                for k, v in counters.items():
+                    self.acc[k] = self.acc.get(k, 0) + v
+                self.acc["time_s"] += time.perf_counter() - t0
+                self.step += 1
+                bar.advance(f"epoch {epochs_done + 1}  loss {loss.item():.3f}")
+                if self.consecutive_skips >= cfg.max_skipped_updates:
+                    raise PPOLMError(f"{self.consecutive_skips} consecutive updates skipped (last: {self.skip_cause});"
+                                     " lower --lr or use --precision fp32, check the data, then continue from the "
+                                     "last checkpoint with --resume")
+                bad = checkpoint.first_non_finite(self.named)
+                if bad:
+                    raise PPOLMError(f"non-finite weights in {bad} after update {self.step}; nothing saved from "
+                                     "it. Lower --lr and continue from the last checkpoint with --resume")
+                if self.step % self.steps_per_epoch == 0:
+                    acc = self.acc
+                    row = self.epoch_row(epochs_done + 1, acc)
+                    row.update(tokens=acc["tokens"], tokens_per_s=acc["tokens"] / max(acc["time_s"], 1e-9),
+                               time_s=acc["time_s"])
+                    row["guard/skipped_updates"] = self.skipped_total
+                    self.rows.append(row)
+                    log_epoch(out, row)
+                if self.step % cfg.save_every == 0 or self.step == self.total or stop["requested"]:
+                    self.save_checkpoint()
+                if stop["requested"]:
+                    break
+        except OSError as e:
+            raise checkpoint.disk_error(e, out) from None
+        finally:
+            if bar is not None:
+                bar.close()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        if self.step < self.total:
+            print(f"interrupted after step {self.step} of {self.total}; checkpoint saved. Continue with the same "
+                  "command plus --resume", file=sys.stderr, flush=True)
+            return False
+        return True
 
 
 # ------------------------------------------------------------------------------------ SFT data
@@ -287,15 +565,22 @@ def eval_loss(model: Any, examples: list[Example], batch_size: int, pad_id: int,
 # ------------------------------------------------------------------------------------ training
 
 def train_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
-    """Fine-tune as configured and save the model; returns the metrics rows (one per epoch, epoch 0 = before)."""
-    from ppolm import config, models
+    """Fine-tune as configured and save the model; returns the metrics rows (one per epoch, epoch 0 = before).
+
+    Stopped by Ctrl-C/SIGTERM, it saves a checkpoint and returns the rows so far without saving the model
+    (continue with ``resume=True``)."""
+    return _train_sft(cfg)[0]
+
+
+def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
+    from ppolm import models
     from ppolm.ppo import resolve_device, resolve_precision, seed_everything
 
     cfg.validate()
     out = Path(cfg.output_dir)
-    prepare_output_dir(out, cfg.overwrite)
     device = resolve_device(cfg.device)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # 'auto' -> bf16|fp32
+    prepare_output_dir(out, cfg, "sft_config.yaml")  # checks only: nothing changes before the inputs loaded
     seed_everything(cfg.seed)
     tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     train = load_demos(cfg.data, tok, cfg.chat_template, cfg.max_length)  # type: ignore[arg-type]
@@ -309,69 +594,80 @@ def train_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
                                   trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     if cfg.lora_r > 0:
         model = apply_lora(model, cfg, "CAUSAL_LM")
-    config.save_yaml(cfg, out / "sft_config.yaml")
+    prepare_output_dir(out, cfg, "sft_config.yaml", commit=True)
+    try:
+        write_config(cfg, out / "sft_config.yaml")
+    except OSError as e:
+        raise checkpoint.disk_error(e, out) from None
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     opt, sched = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg, steps_per_epoch * cfg.epochs)
     pad = tok.pad_token_id
 
-    rows = []
-    if held:
-        rows.append({"epoch": 0, "eval_loss": eval_loss(model, held, cfg.batch_size, pad, device, cfg.precision)})
-        log_epoch(out, rows[-1])
-    bar = Bar("sft", steps_per_epoch * cfg.epochs, cfg.quiet)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    try:
-        for epoch in range(1, cfg.epochs + 1):
-            model.train()
-            t0, tokens, loss_sum, loss_n = time.perf_counter(), 0, 0.0, 0
-            order = torch.randperm(len(train), generator=gen).tolist()
-            for b in range(0, len(order), cfg.batch_size):
-                ids, mask, loss_mask = collate([train[j] for j in order[b:b + cfg.batch_size]], pad, device)
-                with autocast(device, cfg.precision):
-                    s, n = sft_loss(model, ids, mask, loss_mask)
-                loss = s / max(n, 1)
-                value = loss.item()
-                if not math.isfinite(value):
-                    raise PPOLMError(f"the training loss became {value} in epoch {epoch}; lower --lr "
-                                     "or use --precision fp32")
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                sched.step()
-                tokens += int(mask.sum())
-                loss_sum, loss_n = loss_sum + value * n, loss_n + n
-                bar.advance(f"epoch {epoch}  loss {value:.3f}")
-            dt = time.perf_counter() - t0
-            row: dict[str, Any] = {"epoch": epoch, "train_loss": loss_sum / max(loss_n, 1)}
-            if held:
-                row["eval_loss"] = eval_loss(model, held, cfg.batch_size, pad, device, cfg.precision)
-            row.update(tokens=tokens, tokens_per_s=tokens / dt, time_s=dt)
-            rows.append(row)
-            log_epoch(out, row)
-    finally:
-        bar.close()
+    def first_row() -> dict[str, Any] | None:
+        return {"epoch": 0, "eval_loss": eval_loss(model, held, cfg.batch_size, pad, device, cfg.precision)} \
+            if held else None
+
+    def step_fn(idx: list[int]) -> tuple[torch.Tensor, int, dict[str, int]]:
+        ids, mask, loss_mask = collate([train[j] for j in idx], pad, device)
+        with autocast(device, cfg.precision):
+            s, n = sft_loss(model, ids, mask, loss_mask)
+        return s / max(n, 1), n, {"tokens": int(mask.sum())}
+
+    def epoch_row(epoch: int, acc: dict[str, Any]) -> dict[str, Any]:
+        row: dict[str, Any] = {"epoch": epoch, "train_loss": acc["loss_sum"] / acc["loss_n"] if acc["loss_n"] else None}
+        if held:
+            row["eval_loss"] = eval_loss(model, held, cfg.batch_size, pad, device, cfg.precision)
+        return row
+
+    loop = TrainLoop(cfg, out, model, opt, sched, len(train), "sft", step_fn, epoch_row, first_row)
+    if not loop.run():
+        return loop.rows, False
     save_model(model, tok, out, merge=cfg.merge_lora)
-    return rows
+    return loop.rows, True
 
 
 def save_model(model: Any, tok: Any, out: Path, merge: bool) -> None:
-    """Save in Hugging Face format (safetensors) with the tokenizer; LoRA is merged unless ``merge`` is off."""
+    """Save in Hugging Face format (safetensors) with the tokenizer; LoRA is merged unless ``merge`` is off.
+
+    The files are written to a temporary directory, flushed, then moved over the old ones one by one, so
+    a full disk or a permission problem leaves the previous files (and the checkpoints) as they were."""
     from transformers.utils import logging as hf_logging
 
     from ppolm.models import save_pretrained
 
     hf_logging.disable_progress_bar()  # transformers' "Writing model shards" bar
-    for name, p in model.named_parameters():
-        if not torch.isfinite(p).all():
-            raise PPOLMError(f"non-finite weights in {name}; not saving them; lower --lr")
+    bad = checkpoint.first_non_finite(model.named_parameters())
+    if bad:
+        raise PPOLMError(f"non-finite weights in {bad}; not saving them; lower --lr")
     if hasattr(model, "merge_and_unload") and merge:
         model = model.merge_and_unload()
-    save_pretrained(model, tok, out)
+    for stale in out.glob(".tmp-model-*"):  # left by a process killed while saving
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = out / f".tmp-model-{os.getpid()}"
+    try:
+        tmp.mkdir()
+        save_pretrained(model, tok, tmp)
+        files = sorted(f for f in tmp.iterdir() if f.is_file())
+        for f in files:
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        for f in files:
+            os.replace(f, out / f.name)
+        fd = os.open(out, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise checkpoint.disk_error(e, out, "the final model") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run(cfg: SFTConfig) -> int:
-    rows = train_sft(cfg)
+    rows, finished = _train_sft(cfg)
+    if not finished:
+        return 130
     last = rows[-1]
     held = f", held-out loss {rows[0]['eval_loss']:.3f} -> {last['eval_loss']:.3f}" if "eval_loss" in last else ""
     print(f"done: {cfg.epochs} epochs{held}; model saved to {cfg.output_dir} "

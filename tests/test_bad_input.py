@@ -360,6 +360,8 @@ SFT_CASES = [
      r"'messages' must end with an assistant turn"),
     ("eval-fraction-out-of-range", lambda i, t: {"eval_fraction": 1.5}, r"--eval-fraction must be in \[0, 1\); got 1\.5"),
     ("max-length-too-small", lambda i, t: {"max_length": 4}, r"--max-length must be at least 8; got 4"),
+    ("save-every-zero", lambda i, t: {"save_every": 0}, r"--save-every must be at least 1; got 0"),
+    ("model-without-weights", lambda i, t: {"model": i.no_weights}, r"no_weights has config\.json but no weights"),
 ]
 
 REWARD_CASES = [
@@ -374,6 +376,9 @@ REWARD_CASES = [
     ("pairs-truncated-json", lambda i, t: {"data": i.write("p4.jsonl", '{"prompt": "hi", "cho')},
      r"p4\.jsonl line 1 is not valid JSON"),
     ("norm-temperature-zero", lambda i, t: {"norm_temperature": 0}, r"--norm-temperature must be > 0; got 0\.0"),
+    ("resume-and-overwrite", lambda i, t: {"resume": True, "overwrite": True},
+     r"--resume and --overwrite exclude each other; pick one"),
+    ("max-skipped-updates-zero", lambda i, t: {"max_skipped_updates": 0}, r"--max-skipped-updates must be at least 1"),
 ]
 
 
@@ -398,8 +403,7 @@ def test_sft_and_reward_bad_input(inputs, tmp_path, capsys, command, make, expec
     out = tmp_path / "out"
     rc = main(other_argv(command, inputs, out, make(inputs, tmp_path)))
     check_error(rc, capsys.readouterr().err, expect)
-    # these commands may create the (empty) output directory before reading the data; no file in it
-    assert not out.exists() or not any(p.is_file() for p in out.rglob("*"))
+    assert not out.exists()  # checked before anything is written
 
 
 @pytest.mark.parametrize("command", ["sft", "reward"])
@@ -412,7 +416,6 @@ def test_sft_and_reward_refuse_a_used_output_dir(inputs, tmp_path, capsys, comma
     assert snapshot(out) == before
 
 
-@pytest.mark.xfail(reason="sft/reward empty the output dir with --overwrite before reading the data", strict=False)
 @pytest.mark.parametrize("command", ["sft", "reward"])
 def test_sft_and_reward_overwrite_keeps_files_on_bad_data(inputs, tmp_path, capsys, command):
     out = tmp_path / "out"
@@ -420,4 +423,18 @@ def test_sft_and_reward_overwrite_keeps_files_on_bad_data(inputs, tmp_path, caps
     before = snapshot(out)
     rc = main(other_argv(command, inputs, out, {"overwrite": True, "data": tmp_path / "missing.jsonl"}))
     check_error(rc, capsys.readouterr().err, r"does not exist")
+    assert snapshot(out) == before
+    # a model directory without weights is found only after the data loaded: still nothing changed
+    rc = main(other_argv(command, inputs, out, {"overwrite": True, "model": inputs.no_weights}))
+    check_error(rc, capsys.readouterr().err, r"no_weights has config\.json but no weights")
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("command", ["sft", "reward"])
+def test_sft_and_reward_resume_refuses_another_commands_run(inputs, tmp_path, capsys, command):
+    out = tmp_path / "out"
+    previous_run(out)  # a ppo run: no sft_config.yaml / reward_config.yaml
+    before = snapshot(out)
+    check_error(main(other_argv(command, inputs, out, {"resume": True})), capsys.readouterr().err,
+                rf"does not hold a run of this command \(no {command}_config\.yaml\); choose another directory")
     assert snapshot(out) == before

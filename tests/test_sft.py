@@ -173,3 +173,13 @@ def test_missing_data_option(capsys):
         config.build(SFTConfig, {"data": "x.jsonl", "eval_fraction": 1.5})
     with pytest.raises(PPOLMError, match="holds the --model input"):  # --overwrite would delete the model first
         config.build(SFTConfig, {"data": "x.jsonl", "model": "runs/a", "output_dir": "runs/a", "overwrite": True})
+
+
+@pytest.mark.parametrize("command", ["sft", "reward"])
+def test_crash_safety_options_are_documented(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--save-every", "--keep-last", "--resume", "--max-skipped-updates"):
+        assert flag in text
+    assert "Write a resumable checkpoint every N optimiser steps" in text
