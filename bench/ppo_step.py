@@ -5,12 +5,13 @@ Two workloads, each timed over --steps PPO steps (the first excluded as warm-up)
   small : ppolm defaults (precision auto: bf16 where the CPU/GPU has it natively, else fp32) at
           8 rollouts x 32 tokens x 1 epoch
   peer  : the work of ../shared/peer-bench (TRL's PPOTrainer): separate critic, full fine-tuning,
-          --ignore-eos (exactly 32 tokens), 1 epoch, 1 minibatch, 8 rollouts; in ppolm's default
-          precision (auto) and in fp32
+          --ignore-eos (exactly 32 tokens), 1 epoch, 1 minibatch, 8 rollouts, with ppolm's default
+          critic (its top --critic-layers layers trained on the reward model's shared frozen trunk)
+  peer-full : the same with --critic-layers 0: every critic layer trained, a full copy (TRL's work)
 next to the time of a plain HF ``generate`` of the same batch (8 x 32 tokens, sampling).
 Value and reward heads are randomly initialised (seeded), as in the peer bench.
 
-    python bench/ppo_step.py [--steps 6] [--workload peer --precision bf16]
+    python bench/ppo_step.py [--steps 6] [--workload peer --precision bf16] [--threads N]
 
 Peak memory is the process's max RSS, so run one workload per process (the default runs each
 workload in a child process).
@@ -66,8 +67,10 @@ def run_one(workload: str, precision: str, steps: int) -> dict:
     opts = dict(reward_model=[str(tmp / "rm")], prompts=str(prompts_file(tmp)), output_dir=str(tmp / "run"),
                 steps=steps, batch_size=8, response_length=32, ppo_epochs=1, minibatches=1, precision=precision,
                 quiet=True, save_every=10_000, sample_every=10_000, seed=0)
-    if workload == "peer":
+    if workload in ("peer", "peer-full"):
         opts.update(ignore_eos=True, temperature=1.0, critic="separate", critic_init="reward", lora_r=0)
+    if workload == "peer-full":
+        opts.update(critic_layers=0)
     cfg = config.build(PPOConfig, opts)
     trainer = PPOTrainer(cfg)
     rows = []
@@ -104,15 +107,21 @@ def run_one(workload: str, precision: str, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--workload", choices=["small", "peer"])
+    ap.add_argument("--workload", choices=["small", "peer", "peer-full"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.workload:
         print(json.dumps(run_one(args.workload, args.precision, args.steps)), flush=True)
         return
-    for workload, precision in (("small", "auto"), ("peer", "auto"), ("peer", "fp32")):
-        out = subprocess.run([sys.executable, __file__, "--workload", workload, "--precision", precision,
-                              "--steps", str(args.steps)], capture_output=True, text=True)
+    for workload in ("small", "peer", "peer-full"):
+        extra = ["--threads", str(args.threads)] if args.threads else []
+        out = subprocess.run([sys.executable, __file__, "--workload", workload, "--precision", args.precision,
+                              "--steps", str(args.steps), *extra], capture_output=True, text=True)
         line = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
         print(line, flush=True)
 

@@ -147,8 +147,9 @@ def value_not_learning(rows: Rows, *, min_steps: int = 6, window: int = 5) -> Al
     now = _rolling(vals, len(vals) - 1, window)
     if now <= 0:
         return Alarm("value_not_learning", s[-1][0], f"value explained variance is {now:.2f} over the last "
-                     f"{min(window, len(vals))} steps (<= 0): the critic is not learning (raise --critic-lr, "
-                     "or initialise it from a reward model)", {"explained_var": now})
+                     f"{min(window, len(vals))} steps (<= 0): the critic is not learning (raise --critic-lr, train "
+                     "more of its layers with --critic-layers, or start it from a reward model with "
+                     "--critic-init reward)", {"explained_var": now})
     return None
 
 

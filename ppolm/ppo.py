@@ -221,20 +221,34 @@ class PPOTrainer:
         self.rewarder = Rewarder(rms, functions, model_weight=cfg.reward.reward_model_weight,
                                  ensemble_rule=cfg.reward.reward_ensemble)
 
-        # 4. critic: separate model (from the RM or the policy) or a value head on the policy's trunk
-        self.critic, self.value_head = None, None
+        # 4. critic: a separate model (from the RM or the policy), by default only its top layers
+        #    trained on the frozen trunk they share with that model (ppolm/critic.py); or a value
+        #    head on the policy's trunk
+        self.critic, self.value_head, self.tap = None, None, None
         if m.critic == "shared":
             d = self.policy.config.hidden_size
             self.value_head = torch.nn.Linear(d, 1).to(self.device)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
         else:
-            from_rm = m.critic_init == "reward" and cfg.reward.reward_model
-            src = rms[0].dir if from_rm else m.model
-            self.critic = models.load_scalar_model(src, head_init="keep" if from_rm else "value",
-                                                   dtype=torch.float32, device=self.device,
-                                                   trust_remote_code=m.trust_remote_code,
-                                                   allow_pickle=m.allow_pickle)
+            from ppolm import critic as critic_lib
+
+            from_rm = bool(m.critic_init == "reward" and rms)
+            if from_rm and not self.rm_same_vocab[0]:
+                print(f"the reward model {rms[0].name} has its own tokenizer: the critic starts from the policy",
+                      file=sys.stderr)
+                from_rm = False
+            self.critic_source = (rms[0].dir if from_rm else model_dir, "keep" if from_rm else "value")
+            load = dict(dtype=torch.float32, device=self.device, trust_remote_code=m.trust_remote_code,
+                        allow_pickle=m.allow_pickle)
+            frozen = rms[0].model if from_rm else (self.reference if self.reference is not None else self.policy)
+            built = critic_lib.build(self.critic_source[0], frozen, m.critic_layers,
+                                     head_init=self.critic_source[1], **load)
+            if built is not None:
+                self.critic, self.tap = built
+            else:
+                self.critic = models.load_scalar_model(self.critic_source[0], head_init=self.critic_source[1],
+                                                       **load)
             self.critic.train()
 
         # Optimisers: separate learning rates for actor and critic (Adam eps 1e-5, detail 16)
@@ -271,8 +285,10 @@ class PPOTrainer:
             out.append(self.prompts[int(torch.randperm(n, generator=g)[j])])
         return out
 
-    def forward_train(self, roll: ro.Rollout, need_entropy_grad: bool) -> tuple[torch.Tensor, ...]:
-        """Policy log-probs, entropy and values on a rollout: each (B, R)."""
+    def forward_train(self, roll: ro.Rollout, need_entropy_grad: bool,
+                      trunk: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """Policy log-probs, entropy and values on a rollout: each (B, R). ``trunk`` (B, P + R, d): the
+        frozen trunk's hidden state that feeds a top-layers critic."""
         with self.autocast():
             h = ro.response_hidden(self.policy, roll)
             logits = ro.lm_head(self.policy)(h).float() / self.cfg.generation.temperature  # (B, R, V)
@@ -281,6 +297,9 @@ class PPOTrainer:
                 ent = core.entropy_from_logits(logits)
             if self.value_head is not None:
                 v = self.value_head(h).squeeze(-1).float()
+            elif self.tap is not None:
+                p, r = roll.query.shape[1], roll.response.shape[1]
+                v = self.critic(trunk, roll.attention_mask)[:, p - 1:p - 1 + r]
             else:
                 v = ro.values(self.critic, roll)
         return logp, ent, v
@@ -315,6 +334,19 @@ class PPOTrainer:
         total, parts = rewarder.score(model_inputs=rm_scores, prompts=[p.raw for p in prompts],
                                            completions=texts, columns=columns)
         return total.to(self.device), parts, texts
+
+    @torch.no_grad()
+    def trunk_hidden(self, roll: ro.Rollout) -> torch.Tensor:
+        """The frozen trunk's hidden state for a top-layers critic when no tapped pass ran this step
+        (e.g. a reward-model weight of zero): one forward of the frozen model under the tap."""
+        from ppolm.models import scalar_forward
+
+        with self.tap.capture(), self.autocast():
+            if self.critic_source[1] == "keep":
+                scalar_forward(self.rewarder.models[0].model, roll.input_ids, roll.attention_mask)
+            else:
+                self.reference_logprobs(roll)
+        return self.tap.hidden
 
     def optimizer_step(self) -> bool:
         """Clip and step both optimisers; skip both if any gradient is non-finite."""
@@ -357,22 +389,35 @@ class PPOTrainer:
                                top_k=g.top_k, ignore_eos=g.ignore_eos)
         self.policy.train()
         mask = roll.response_mask.float()  # (B, R)
+        _trim()
         t_rollout = time.perf_counter()
 
         # 2. Score: reward models/functions on prompt+response; penalties for no EOS and length.
-        scores, parts, texts = self.score(roll, prompts)  # (B,)
+        #    (A top-layers critic taps the hidden state of its frozen trunk in steps 2 and 3.)
+        def tapping() -> contextlib.AbstractContextManager:
+            return self.tap.capture() if self.tap is not None else contextlib.nullcontext()
+
+        if self.tap is not None:
+            self.tap.hidden = None
+        with tapping():
+            scores, parts, texts = self.score(roll, prompts)  # (B,)
         if cfg.reward.missing_eos_penalty is not None:
             scores = torch.where(roll.ended, scores, torch.full_like(scores, cfg.reward.missing_eos_penalty))
         if cfg.reward.length_penalty:
             scores = scores - cfg.reward.length_penalty * roll.lengths.float()
 
         # 3. Log-probs under the frozen reference, and the rollout policy's own log-probs and values.
-        #    With one epoch of one minibatch the training forward pass *is* the rollout pass (ratio 1
-        #    exactly), so it runs once, with grad, and is reused below: no repeated forward pass.
-        ref_logprobs = self.reference_logprobs(roll)  # (B, R)
-        fused = a.ppo_epochs == 1 and a.minibatches == 1 and a.grad_accum == 1
+        #    With one minibatch per epoch the first epoch's forward pass *is* the rollout pass (ratio
+        #    1 exactly), so it runs once, with grad, and is reused below: no repeated forward pass.
+        with tapping():
+            ref_logprobs = self.reference_logprobs(roll)  # (B, R)
+        trunk = None
+        if self.tap is not None:
+            trunk = self.tap.hidden if self.tap.hidden is not None else self.trunk_hidden(roll)
+        fused = a.minibatches == 1 and a.grad_accum == 1
+        _trim()
         with torch.set_grad_enabled(fused):
-            fused_out = self.forward_train(roll, a.entropy_coef > 0)
+            fused_out = self.forward_train(roll, a.entropy_coef > 0, trunk)
         old_logprobs, entropy, old_values = (x.detach() for x in fused_out)  # (B, R) each
         t_score = time.perf_counter()
 
@@ -407,10 +452,11 @@ class PPOTrainer:
             epoch_kl = []
             for mb in perm.split(cfg.minibatch_size):
                 for micro in mb.split(cfg.microbatch_size):
-                    if fused:  # the rollout pass, with grad (rows in minibatch order)
+                    if fused and _epoch == 0:  # the rollout pass, with grad (rows in minibatch order)
                         logp, ent, v = (x[micro] for x in fused_out)
                     else:
-                        logp, ent, v = self.forward_train(roll.select(micro), a.entropy_coef > 0)
+                        logp, ent, v = self.forward_train(roll.select(micro), a.entropy_coef > 0,
+                                                          None if trunk is None else trunk[micro])
                     m_ = mask[micro]
                     pg_loss, pg = core.policy_loss(logp, old_logprobs[micro], advantages[micro], m_, a.clip_eps)
                     vf_loss, vf = core.value_loss(v, old_values[micro], returns[micro], m_, a.vf_clip)
@@ -437,6 +483,7 @@ class PPOTrainer:
                     self.skip_cause = "non-finite loss or gradient"
                     self.warn_once("grad", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
             epochs_done += 1
+            fused_out = None  # the first epoch's graph is spent
             # Early stop for the batch once the policy moved too far from the rollout policy.
             if a.target_kl is not None and sum(epoch_kl) / len(epoch_kl) > a.target_kl:
                 break
@@ -636,7 +683,14 @@ class PPOTrainer:
         with checkpoint.atomic_dir(self.out / "policy") as tmp:
             save_pretrained(policy, self.tokenizer, tmp)
         with checkpoint.atomic_dir(self.out / "critic") as tmp:
-            if self.critic is not None:
+            if self.tap is not None:  # top layers on a frozen trunk: saved as one whole model
+                src, _ = self.critic_source
+                m = self.cfg.model
+                full = self.critic.full_model(src, dtype=torch.float32, device="cpu",
+                                              trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
+                save_pretrained(full, self.tokenizer, tmp)
+                del full
+            elif self.critic is not None:
                 save_pretrained(self.critic, self.tokenizer, tmp)
             else:
                 from safetensors.torch import save_file
@@ -763,6 +817,26 @@ def _ensemble_key(rewarder: Any) -> str:
     if len(rewarder.models) == 1:
         return f"reward/{rewarder.models[0].name}"
     return f"reward/ensemble_{rewarder.ensemble_rule}"
+
+
+def _trim() -> None:
+    """Hand memory freed by the last stage (KV cache, frozen models' activations) back to the OS
+    before the training pass, so the peak is not the sum of both (glibc only; ~80 MB on the peer work)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018  (raises AttributeError off glibc)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
 
 
 def _main_thread() -> bool:

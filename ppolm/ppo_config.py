@@ -20,6 +20,8 @@ class ModelConfig:
     """Value model: a separate model (OpenRLHF, TRL), or a value head on the policy's own trunk (OpenAI's original; saves memory)."""
     critic_init: Literal["reward", "policy"] = "reward"
     """Initialise a separate critic from the (first) reward model (Huang et al. 2024) or from the policy. Falls back to the policy when only reward functions are given."""
+    critic_layers: int = 4
+    """Train only the separate critic's top N layers (and its head). Its lower layers stay frozen and are shared with the frozen model it starts from (reward model or reference): no extra memory, no extra forward pass. 0 = train every layer of a full copy (as TRL)."""
     lora_r: int = 0
     """LoRA rank for the policy (peft); 0 = full fine-tuning. With LoRA the reference is the policy with its adapter disabled (no second copy)."""
     lora_alpha: float = 32.0
@@ -78,8 +80,8 @@ class AlgoConfig:
     """Number of PPO iterations (rollout batch + update)."""
     batch_size: int = 8
     """Rollouts (prompts) per PPO iteration."""
-    minibatches: int = 2
-    """Minibatches per PPO epoch; must divide --batch-size."""
+    minibatches: int = 1
+    """Minibatches per PPO epoch; must divide --batch-size (1, as TRL: the first epoch then reuses the rollout's forward pass)."""
     grad_accum: int = 1
     """Gradient-accumulation steps per minibatch; must divide the minibatch size."""
     ppo_epochs: int = 4
@@ -209,6 +211,7 @@ class PPOConfig:
         need(a.adam_eps > 0 and a.max_grad_norm > 0, "--adam-eps and --max-grad-norm must be > 0")
         need(k.kl_coef >= 0, f"--kl-coef must be >= 0; got {k.kl_coef}")
         need(k.kl_target > 0 and k.kl_horizon > 0, "--kl-target and --kl-horizon must be > 0")
+        need(self.model.critic_layers >= 0, f"--critic-layers must be >= 0; got {self.model.critic_layers}")
         need(self.model.lora_r >= 0, f"--lora-r must be >= 0; got {self.model.lora_r}")
         need(a.target_kl is None or a.target_kl > 0, "--target-kl must be > 0 (or none)")
         need(a.ptx_coef >= 0, "--ptx-coef must be >= 0")
