@@ -4,8 +4,9 @@ Stages (each prints its progress; finished stages are kept, so ``--resume`` cont
 
 1. **task**: short product/film review prompts (train and held-out items disjoint) and the gold
    judge of :mod:`ppolm.gold`, a deterministic stand-in for a human rater;
-2. **pairs**: two responses per training prompt from the starting policy, labelled by sampling
-   Bradley-Terry preferences from the gold difference (noisy, like human labels);
+2. **pairs**: K = 6 responses per training prompt (quick: 4) sampled from the starting policy at
+   temperature 1, every two of them compared (C(K, 2) = 15 pairs per prompt, as InstructGPT's
+   rankings), each label a Bradley-Terry draw from the gold difference (noisy, like human labels);
 3. **proxy reward model**: ``ppolm reward`` on those pairs, held-out accuracy reported, then
    normalised to mean 0 / std 1 on the same starting-policy samples;
 4. **PPO** against the proxy (critic initialised from it, adaptive KL), scoring held-out prompts
@@ -88,12 +89,16 @@ class Sizes:
     kl_coef: float
     kl_target: float
     label_temperature: float
+    responses_per_prompt: int = 4
+    """K responses per training prompt, ranked by the labeller: C(K, 2) pairs each (InstructGPT used K = 4..9)."""
+    pair_temperature: float = 1.0
+    """Sampling temperature of the responses to compare (diverse responses make informative comparisons)."""
 
 
-FULL = Sizes(train_prompts=64, eval_prompts=16, rm_eval_fraction=0.25, rm_layers=4, rm_epochs=3, rm_lr=3e-4,
-             policy_layers=8, lora_r=16, steps=8, eval_every=2, batch_size=8, response_length=32, ppo_epochs=4,
-             actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15)
-QUICK = Sizes(train_prompts=24, eval_prompts=8, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=1, rm_lr=3e-4,
+FULL = Sizes(train_prompts=48, eval_prompts=32, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=2, rm_lr=3e-4,
+             policy_layers=8, lora_r=16, steps=10, eval_every=2, batch_size=8, response_length=32, ppo_epochs=4,
+             actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15, responses_per_prompt=6)
+QUICK = Sizes(train_prompts=16, eval_prompts=8, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=2, rm_lr=3e-4,
               policy_layers=4, lora_r=16, steps=3, eval_every=3, batch_size=8, response_length=24, ppo_epochs=2,
               actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15)
 
@@ -216,38 +221,51 @@ class Demo:
         tok = models.load_tokenizer(cfg.model)
         policy = models.load_causal_lm(cfg.model, dtype=torch.float32, tokenizer=tok)
         prompts = [json.loads(x)["prompt"] for x in (self.out / "prompts_train.jsonl").read_text().splitlines()]
-        jobs = [p for p in prompts for _ in range(2)]  # two responses per prompt
+        k = s.responses_per_prompt
+        jobs = [p for p in prompts for _ in range(k)]  # K responses per prompt
         texts: list[str] = []
-        bs = 16
+        bs = 32  # decoding is memory-bound on a CPU: 32 sequences cost little more than 8
         t = time.perf_counter()
         for i in range(0, len(jobs), bs):
             ids = [encode_prompt(p, tok, True) for p in jobs[i:i + bs]]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
                 roll = ro.generate(policy, ids, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
-                                   max_new_tokens=s.response_length, temperature=0.7)
+                                   max_new_tokens=s.response_length, temperature=s.pair_temperature)
             texts += tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)
             done = min(i + bs, len(jobs))
             el = time.perf_counter() - t
             say(f"      sampled {done}/{len(jobs)} responses ({el:.0f}s, eta {el / done * (len(jobs) - done):.0f}s)")
+        # The labeller compares every two of a prompt's K responses (InstructGPT's rankings give C(K, 2)
+        # comparisons); each label is a Bradley-Terry draw: P(a preferred) = sigmoid((gold_a - gold_b) / T).
         rng = random.Random(cfg.seed)
-        rows, agree = [], 0
-        for k, p in enumerate(prompts):
-            a, b = texts[2 * k], texts[2 * k + 1]
-            ga, gb = gold_score(a), gold_score(b)
-            # Bradley-Terry label: P(a preferred) = sigmoid((gold_a - gold_b) / T)
-            p_a = 1 / (1 + math.exp(-(ga - gb) / s.label_temperature))
-            a_wins = rng.random() < p_a
-            chosen, rejected = (a, b) if a_wins else (b, a)
-            gc, gr = (ga, gb) if a_wins else (gb, ga)
-            agree += gc >= gr
-            rows.append({"prompt": p, "chosen": chosen, "rejected": rejected, "gold_chosen": gc, "gold_rejected": gr})
-        n_eval = max(2, round(len(rows) * s.rm_eval_fraction))
-        write_jsonl(self.out / "pairs_train.jsonl", rows[n_eval:])
-        write_jsonl(self.out / "pairs_eval.jsonl", rows[:n_eval])
-        self.state.update(label_agreement=agree / len(rows), n_pairs=len(rows), rm_accuracy_n=n_eval,
-                          sample_gold=mean_se([gold_score(x) for x in texts]))
-        say(f"      {len(rows)} pairs ({len(rows) - n_eval} train, {n_eval} held-out); labels agree with the "
-            f"gold ordering on {agree / len(rows):.0%} (Bradley-Terry noise, T={s.label_temperature})")
+        by_prompt, agree, n_pairs = [], 0, 0
+        for j, p in enumerate(prompts):
+            rows = []
+            for a_i in range(k):
+                for b_i in range(a_i + 1, k):
+                    a, b = texts[j * k + a_i], texts[j * k + b_i]
+                    if a.strip() == b.strip() or not a.strip() or not b.strip():
+                        continue  # identical responses prefer nothing; an empty one is no review
+                    ga, gb = gold_score(a), gold_score(b)
+                    a_wins = rng.random() < 1 / (1 + math.exp(-(ga - gb) / s.label_temperature))
+                    chosen, rejected = (a, b) if a_wins else (b, a)
+                    gc, gr = (ga, gb) if a_wins else (gb, ga)
+                    agree += gc >= gr
+                    rows.append({"prompt": p, "chosen": chosen, "rejected": rejected, "gold_chosen": gc,
+                                 "gold_rejected": gr})
+            by_prompt.append(rows)
+            n_pairs += len(rows)
+        # held out by prompt: the RM's accuracy is measured on prompts it never saw
+        n_eval_prompts = max(1, round(len(prompts) * s.rm_eval_fraction))
+        held = [r for rows in by_prompt[:n_eval_prompts] for r in rows]
+        train = [r for rows in by_prompt[n_eval_prompts:] for r in rows]
+        write_jsonl(self.out / "pairs_train.jsonl", train)
+        write_jsonl(self.out / "pairs_eval.jsonl", held)
+        self.state.update(label_agreement=agree / max(1, n_pairs), n_pairs=n_pairs, rm_accuracy_n=len(held),
+                          responses_per_prompt=k, sample_gold=mean_se([gold_score(x) for x in texts]))
+        say(f"      {n_pairs} pairs from {k} responses per prompt ({len(train)} train, {len(held)} held-out on "
+            f"{n_eval_prompts} prompts); labels agree with the gold ordering on {agree / max(1, n_pairs):.0%} "
+            f"(Bradley-Terry noise, T={s.label_temperature})")
 
     def reward_model(self) -> None:
         from ppolm import config
@@ -265,26 +283,24 @@ class Demo:
         import torch
 
         rm = RewardModel(str(out / RM_DIR), dtype=torch.float32, device="cpu")
-        pairs = [json.loads(x) for f in ("pairs_train.jsonl", "pairs_eval.jsonl")
-                 for x in (out / f).read_text().splitlines()]
-        texts, gold = [], []
-        for r in pairs:
-            for side in ("chosen", "rejected"):
-                # as the RM was trained: chat-templated prompt, response, EOS
-                head = rm.tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                                        add_generation_prompt=True)
-                texts.append(head + r[side] + rm.tokenizer.eos_token)
-                gold.append(r[f"gold_{side}"])
-        raw = rm.score_texts(texts)
-        mean, std = float(raw.mean()), float(raw.std())
+        held_pairs = [json.loads(x) for x in (out / "pairs_eval.jsonl").read_text().splitlines()]
+        pairs = [json.loads(x) for x in (out / "pairs_train.jsonl").read_text().splitlines()] + held_pairs
+        # as the RM was trained and as PPO scores: chat-templated prompt, response, EOS; each text once
+        head = {p: rm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                    add_generation_prompt=True) for p in {r["prompt"] for r in pairs}}
+        key = {(r["prompt"], r[side]): head[r["prompt"]] + r[side] + rm.tokenizer.eos_token
+               for r in pairs for side in ("chosen", "rejected")}
+        texts = list(dict.fromkeys(key.values()))
+        raw = dict(zip(texts, rm.score_texts(texts).tolist()))
+        values = torch.tensor(list(raw.values()))
+        mean, std = float(values.mean()), float(values.std())
         write_norm(out / RM_DIR, 1.0 / max(std, 1e-6), -mean / max(std, 1e-6), raw_mean=mean, raw_std=std,
                    n_samples=len(texts), policy=self.cfg.model)
-        n_eval = self.state["rm_accuracy_n"]
-        held, held_gold = raw[-2 * n_eval:].tolist(), gold[-2 * n_eval:]  # pairs_eval was read last
-        vs_gold = [(held[2 * i] > held[2 * i + 1]) == (held_gold[2 * i] > held_gold[2 * i + 1])
-                   for i in range(n_eval) if held_gold[2 * i] != held_gold[2 * i + 1]]
+        vs_gold = [(raw[key[(r["prompt"], r["chosen"])]] > raw[key[(r["prompt"], r["rejected"])]])
+                   == (r["gold_chosen"] > r["gold_rejected"])
+                   for r in held_pairs if r["gold_chosen"] != r["gold_rejected"]]
         self.state.update(rm_accuracy=acc, rm_accuracy_vs_gold=sum(vs_gold) / max(1, len(vs_gold)))
-        say(f"      proxy RM held-out accuracy {acc:.3f} on {n_eval} labelled pairs "
+        say(f"      proxy RM held-out accuracy {acc:.3f} on {len(held_pairs)} labelled pairs "
             f"({self.state['rm_accuracy_vs_gold']:.3f} against the noise-free gold ordering)")
 
     def lora_targets(self) -> str:

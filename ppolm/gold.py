@@ -5,7 +5,7 @@ that are (1) positive, (2) short and (3) not repetitive, the way a human rater a
 warm review" would. In numbers, for a response of ``w`` words::
 
     gold = VADER compound sentiment                 in [-1, 1]  (Hutto & Gilbert 2014)
-           - 0.03 per word beyond 20 words          (the word budget)
+           - 0.04 per word beyond 15 words          (the word budget: one short sentence)
            - 1.5 x fraction of repeated word bigrams  (repetition)
            - 1 if the response is empty
 
@@ -26,8 +26,8 @@ from typing import Any
 
 from ppolm.builtin_rewards import _vader, completion_text
 
-WORD_BUDGET = 20
-PER_EXTRA_WORD = 0.03
+WORD_BUDGET = 15
+PER_EXTRA_WORD = 0.04
 REPETITION_WEIGHT = 1.5
 EMPTY_PENALTY = 1.0
 

@@ -225,6 +225,7 @@ class PPOTrainer:
         #    trained on the frozen trunk they share with that model (ppolm/critic.py); or a value
         #    head on the policy's trunk
         self.critic, self.value_head, self.tap = None, None, None
+        self.value_bias: torch.nn.Parameter | None = None  # the critic's share of the RM normalisation
         if m.critic == "shared":
             d = self.policy.config.hidden_size
             self.value_head = torch.nn.Linear(d, 1).to(self.device)
@@ -250,11 +251,17 @@ class PPOTrainer:
                 self.critic = models.load_scalar_model(self.critic_source[0], head_init=self.critic_source[1],
                                                        **load)
             self.critic.train()
+            if from_rm:
+                # The RM scores through its normalisation (gain, bias); so does the critic at the start, so
+                # its first values are on the scale of the returns (else explained variance starts << 0).
+                head = models._unwrap(self.critic.model if self.tap is not None else self.critic).score
+                with torch.no_grad():
+                    head.weight.mul_(rms[0].gain)
+                self.value_bias = torch.nn.Parameter(torch.tensor(float(rms[0].bias), device=self.device))
 
         # Optimisers: separate learning rates for actor and critic (Adam eps 1e-5, detail 16)
         self.actor_params = [p for p in self.policy.parameters() if p.requires_grad]
-        critic_mod = self.value_head if self.value_head is not None else self.critic
-        self.critic_params = [p for p in critic_mod.parameters() if p.requires_grad]
+        self.critic_params = [p for _, p in self.critic_named_parameters()]
         # fused AdamW: one kernel over all parameters, ~4x faster than the per-tensor loop on a CPU
         adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay, fused=self.device.type in ("cpu", "cuda"))
         self.actor_opt = torch.optim.AdamW(self.actor_params, lr=a.actor_lr, **adam)
@@ -302,6 +309,8 @@ class PPOTrainer:
                 v = self.critic(trunk, roll.attention_mask)[:, p - 1:p - 1 + r]
             else:
                 v = ro.values(self.critic, roll)
+            if self.value_bias is not None:
+                v = v + self.value_bias
         return logp, ent, v
 
     @torch.no_grad()
@@ -564,8 +573,8 @@ class PPOTrainer:
         self.policy.eval()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.run.seed + 1_000_003)
-            for i in range(0, len(self.eval_prompts), cfg.algo.batch_size):
-                prompts = self.eval_prompts[i:i + cfg.algo.batch_size]
+            for i in range(0, len(self.eval_prompts), cfg.run.eval_batch_size):
+                prompts = self.eval_prompts[i:i + cfg.run.eval_batch_size]
                 with self.autocast():
                     roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
                                        max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
@@ -634,8 +643,7 @@ class PPOTrainer:
     # ----------------------------------------------------------------------------------------
     def state(self, next_step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors = {f"policy.{n}": p for n, p in self.policy.named_parameters() if p.requires_grad}
-        critic_mod = self.value_head if self.value_head is not None else self.critic
-        tensors.update({f"critic.{n}": p for n, p in critic_mod.named_parameters() if p.requires_grad})
+        tensors.update({f"critic.{n}": p for n, p in self.critic_named_parameters()})
         ta, ma = checkpoint.optimizer_state(self.actor_opt, "actor_opt")
         tc, mc = checkpoint.optimizer_state(self.critic_opt, "critic_opt")
         tr, mr = checkpoint.rng_state()
@@ -646,12 +654,9 @@ class PPOTrainer:
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        critic_mod = self.value_head if self.value_head is not None else self.critic
         with torch.no_grad():
-            for prefix, mod in (("policy.", self.policy), ("critic.", critic_mod)):
-                for n, p in mod.named_parameters():
-                    if p.requires_grad:
-                        p.copy_(tensors[prefix + n])
+            for n, p in self.trained_parameters():
+                p.copy_(tensors[n])
         checkpoint.load_optimizer_state(self.actor_opt, "actor_opt", tensors, meta["actor_opt"])
         checkpoint.load_optimizer_state(self.critic_opt, "critic_opt", tensors, meta["critic_opt"])
         self.actor_sched.load_state_dict(meta["actor_sched"])
@@ -697,6 +702,10 @@ class PPOTrainer:
 
                 save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
                           str(tmp / "value_head.safetensors"))
+            if self.value_bias is not None:  # value = head output + bias (the RM's normalisation, trained on)
+                import json
+
+                (tmp / "ppolm_value.json").write_text(json.dumps({"bias": float(self.value_bias)}, indent=2))
 
     # ----------------------------------------------------------------------------------------
     def train(self) -> PPOResult:
@@ -807,9 +816,15 @@ class PPOTrainer:
 
     def trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of everything trained: the policy and the critic or value head."""
-        critic_mod = self.value_head if self.value_head is not None else self.critic
         return [(f"policy.{n}", p) for n, p in self.policy.named_parameters() if p.requires_grad] + \
-            [(f"critic.{n}", p) for n, p in critic_mod.named_parameters() if p.requires_grad]
+            [(f"critic.{n}", p) for n, p in self.critic_named_parameters()]
+
+    def critic_named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The critic's trained parameters (value head, or the critic's trained layers and head, and
+        the value bias carried over from the reward model's normalisation)."""
+        mod = self.value_head if self.value_head is not None else self.critic
+        named = [(n, p) for n, p in mod.named_parameters() if p.requires_grad]
+        return named + ([("value_bias", self.value_bias)] if self.value_bias is not None else [])
 
 
 def _ensemble_key(rewarder: Any) -> str:

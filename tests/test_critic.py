@@ -146,3 +146,50 @@ def test_ppo_critic_from_policy_taps_the_reference(deep_dirs, tmp_path, lora_r):
         ro.logprobs(trainer.policy, roll, 1.0)
     h.remove()
     assert not torch.allclose(got["h"], want["h"], atol=1e-4)
+
+
+@pytest.mark.parametrize("critic_layers", [1, 0])
+def test_critic_starts_as_the_normalised_reward_model(deep_dirs, tmp_path, critic_layers):
+    """A critic initialised from a normalised RM predicts, at the last real token, the RM's normalised
+    score (gain folded into its head, bias as a trained scalar), not the raw head output."""
+    import shutil
+
+    from ppolm.rewards import write_norm
+
+    policy, rm_dir = deep_dirs
+    rm_norm = tmp_path / "rm"
+    shutil.copytree(rm_dir, rm_norm)
+    write_norm(rm_norm, 2.5, -0.75)
+    trainer = PPOTrainer(cfg_for(policy, tmp_path / "run", reward_model=[str(rm_norm)], critic_layers=critic_layers))
+    assert (trainer.tap is not None) == (critic_layers == 1)
+    roll = batch(trainer.tokenizer)
+    with torch.no_grad():
+        want = trainer.rewarder.models[0].score_ids(roll.input_ids, roll.attention_mask)
+        if trainer.tap is not None:  # values at every position (B, P + R)
+            values = trainer.critic(trainer.trunk_hidden(roll), roll.attention_mask)
+        else:
+            values = models.scalar_forward(trainer.critic, roll.input_ids, roll.attention_mask)
+        values = values + trainer.value_bias
+        _, _, window = trainer.forward_train(roll, False, trainer.trunk_hidden(roll) if trainer.tap else None)
+    last = roll.query.shape[1] + roll.lengths - 1  # the last real token, where the RM reads its score
+    assert torch.allclose(values.gather(1, last[:, None]).squeeze(1), want, atol=1e-5)
+    p, r = roll.query.shape[1], roll.response.shape[1]
+    assert torch.allclose(window, values[:, p - 1:p - 1 + r], atol=1e-6)  # the PPO window: V before each token
+    assert float(trainer.value_bias) == -0.75
+    assert "critic.value_bias" in dict(trainer.trained_parameters())
+
+
+def test_saved_critic_keeps_the_value_bias(deep_dirs, tmp_path):
+    import json
+    import shutil
+
+    from ppolm.rewards import write_norm
+
+    policy, rm_dir = deep_dirs
+    rm_norm = tmp_path / "rm"
+    shutil.copytree(rm_dir, rm_norm)
+    write_norm(rm_norm, 1.5, 0.25)
+    out = tmp_path / "run"
+    train_ppo(cfg_for(policy, out, reward_model=[str(rm_norm)], steps=1))
+    saved = json.loads((out / "critic" / "ppolm_value.json").read_text())["bias"]
+    assert saved != 0.25 and abs(saved - 0.25) < 0.1  # trained with the critic, from the RM's bias
