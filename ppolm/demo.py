@@ -358,18 +358,35 @@ class Demo:
         self.state["gold"] = gold
         if gold.get("best"):
             b, a = gold["best"], gold["before"]
-            gain, se = b["mean"] - a["mean"], math.hypot(b["se"] or 0.0, a["se"] or 0.0)
+            gain, se_unpaired = b["mean"] - a["mean"], math.hypot(b["se"] or 0.0, a["se"] or 0.0)
+            # Both evaluations score the same held-out prompts, so the gain's standard error is that of
+            # the per-prompt differences (a paired comparison); the unpaired one ignores that and is larger.
+            diffs = self.paired_gold_differences(b["step"])
+            se = mean_se(diffs)["se"] if len(diffs) > 1 else se_unpaired
             ok = gain > 2 * se
             self.state["verdict"] = (
                 f"Best-gold checkpoint (step {b['step']}, KL {b['kl']:.2f} nats): gold {b['mean']:.3f} ± {b['se']:.3f} "
-                f"vs {a['mean']:.3f} ± {a['se']:.3f} before PPO: a gain of {gain:+.3f}, "
-                f"{'more' if ok else 'less'} than twice its standard error ({2 * se:.3f}). "
+                f"vs {a['mean']:.3f} ± {a['se']:.3f} before PPO on the same {len(diffs)} held-out prompts: a gain of "
+                f"{gain:+.3f} ± {se:.3f} (paired standard error; {se_unpaired:.3f} unpaired), "
+                f"{'more' if ok else 'less'} than twice its standard error. "
                 "(The best step is chosen on these same prompts, so the gain is optimistic.)")
-            self.state["gold_gain"] = {"gain": gain, "se": se, "beats_2se": ok}
+            self.state["gold_gain"] = {"gain": gain, "se": se, "se_unpaired": se_unpaired, "n_prompts": len(diffs),
+                                       "beats_2se": ok, "beats_2se_unpaired": gain > 2 * se_unpaired}
         self.save_state()
         path = write_report(self.out)
         say(self.state.get("verdict", ""))
         say(f"report: {path}")
+
+    def paired_gold_differences(self, step: int) -> list[float]:
+        """Gold score at ``step`` minus before PPO, per held-out prompt (eval_samples.jsonl)."""
+        from ppolm.tracking import read_jsonl
+
+        by_step: dict[int, dict[str, float]] = {}
+        for r in read_jsonl(self.out / "eval_samples.jsonl"):
+            key = r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"])
+            by_step.setdefault(r["step"], {})[key] = r["scores"][GOLD_METRIC.removeprefix("eval/")]
+        before, after = by_step.get(0, {}), by_step.get(step, {})
+        return [after[p] - before[p] for p in before if p in after]
 
     # ------------------------------------------------------------------------------------
     def set_threads(self) -> None:

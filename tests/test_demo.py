@@ -78,3 +78,18 @@ def test_no_space_is_one_line(tmp_path, monkeypatch, capsys):
     assert cli.main(["demo", "--quick", "--output-dir", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: no space left on device") and "Traceback" not in "".join(err)
+
+
+def test_gold_gain_uses_the_paired_standard_error(tmp_path):
+    """Same prompts before and after: the gain's SE is that of the per-prompt differences (hand-computed)."""
+    rows = []
+    for step, golds in ((0, [0.1, 0.5, -0.2]), (4, [0.4, 0.6, 0.2])):
+        for p, g in zip(["a", "b", "c"], golds):
+            rows.append({"step": step, "prompt": p, "response": "r", "scores": {"gold_judge": g}, "score": g, "kl": 0})
+    (tmp_path / "eval_samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d = demo.Demo(demo.DemoConfig(output_dir=str(tmp_path)))
+    diffs = d.paired_gold_differences(4)
+    assert [round(x, 6) for x in diffs] == [0.3, 0.1, 0.4]
+    # mean 0.8/3, sd sqrt(((0.3-m)^2 + (0.1-m)^2 + (0.4-m)^2) / 2) = 0.152753, se = sd / sqrt(3) = 0.088192
+    s = demo.mean_se(diffs)
+    assert abs(s["mean"] - 0.8 / 3) < 1e-9 and abs(s["se"] - 0.0881917) < 1e-6
