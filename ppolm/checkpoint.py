@@ -272,3 +272,16 @@ def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, An
                 problem = f"unreadable ({type(e).__name__})"
         warn(f"skipping corrupt checkpoint {path.name}: {problem}; trying the previous one")
     return None
+
+
+def check_creatable(out: Path) -> None:
+    """One line, before anything is written, when ``--output-dir`` could not be created or written:
+    its nearest existing ancestor is a file or not writable."""
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PPOLMError(f"cannot create --output-dir {out} ({parent} is a file); choose a writable path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PPOLMError(f"cannot write to --output-dir {out} (permission denied on {parent}); "
+                         "choose a writable path")

@@ -119,7 +119,8 @@ def build(source_dir: str | Path, frozen: torch.nn.Module, n: int, *, head_init:
     if n <= 0 or found is None or n >= len(found[1]):
         return None
     scalar = models.load_scalar_model(source_dir, head_init=head_init, **load)  # type: ignore[arg-type]
-    if stack(scalar) is None or len(stack(scalar)[1]) != len(found[1]):  # type: ignore[index]
+    own = stack(scalar)
+    if own is None or len(own[1]) != len(found[1]):
         return None
     critic = TrunkCritic(scalar, n)
     return critic, Tap(found[1][critic.total_layers - n])

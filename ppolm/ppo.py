@@ -113,14 +113,7 @@ def prepare_output_dir(out: Path, cfg: PPOConfig, commit: bool = False) -> None:
         else:
             raise PPOLMError(f"--output-dir {out} already holds files; pass --resume to continue that run, "
                              "--overwrite to replace it, or choose a new directory")
-    parent = out
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise PPOLMError(f"cannot create --output-dir {out} ({parent} is a file); choose a writable path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PPOLMError(f"cannot write to --output-dir {out} (permission denied on {parent}); "
-                         "choose a writable path")
+    checkpoint.check_creatable(out)
 
 
 RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "save_every", "keep_last", "sample_every",

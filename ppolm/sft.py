@@ -167,14 +167,7 @@ def prepare_output_dir(out: Path, cfg: Any, config_name: str, commit: bool = Fal
         else:
             raise PPOLMError(f"--output-dir {out} already holds files; pass --overwrite to replace them, --resume "
                              "to continue that run, or choose a new directory")
-    parent = out
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise PPOLMError(f"cannot create --output-dir {out} ({parent} is a file); choose a writable path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PPOLMError(f"cannot write to --output-dir {out} (permission denied on {parent}); "
-                         "choose a writable path")
+    checkpoint.check_creatable(out)
 
 
 def config_difference(saved: Any, now: dict[str, Any]) -> str:
