@@ -93,6 +93,9 @@ class Sizes:
     """K responses per training prompt, ranked by the labeller: C(K, 2) pairs each (InstructGPT used K = 4..9)."""
     pair_temperature: float = 1.0
     """Sampling temperature of the responses to compare (diverse responses make informative comparisons)."""
+    confirm_samples: int = 2
+    """Fresh responses per held-out prompt with which the best-gold checkpoint and the starting policy are
+    scored again after PPO (the best step was chosen on the in-run evaluations, so those are optimistic)."""
 
 
 FULL = Sizes(train_prompts=48, eval_prompts=32, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=2, rm_lr=3e-4,
@@ -100,7 +103,7 @@ FULL = Sizes(train_prompts=48, eval_prompts=32, rm_eval_fraction=0.25, rm_layers
              actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15, responses_per_prompt=6)
 QUICK = Sizes(train_prompts=16, eval_prompts=8, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=2, rm_lr=3e-4,
               policy_layers=4, lora_r=16, steps=3, eval_every=3, batch_size=8, response_length=24, ppo_epochs=2,
-              actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15)
+              actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15, confirm_samples=1)
 
 
 def pick_precision(choice: str) -> str:
@@ -132,6 +135,9 @@ def mean_se(xs: list[float]) -> dict[str, float]:
     m = sum(xs) / len(xs)
     sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
     return {"mean": m, "se": sd / math.sqrt(len(xs)), "n": len(xs)}
+
+
+STAGES = 6
 
 
 class Demo:
@@ -182,17 +188,17 @@ class Demo:
 
     def stage(self, n: int, name: str, fn: Any) -> None:
         if name in self.state["done"]:
-            say(f"[{n}/5] {name}: already done")
+            say(f"[{n}/{STAGES}] {name}: already done")
             return
         self.current = name
-        say(f"[{n}/5] {name} ...")
+        say(f"[{n}/{STAGES}] {name} ...")
         t = time.perf_counter()
         fn()
         dt = time.perf_counter() - t
         self.state["timings_s"][name] = round(dt, 1)
         self.state["done"].append(name)
         self.save_state()
-        say(f"[{n}/5] {name}: done in {dt:.0f}s (total {time.perf_counter() - self.t0:.0f}s)")
+        say(f"[{n}/{STAGES}] {name}: done in {dt:.0f}s (total {time.perf_counter() - self.t0:.0f}s)")
 
     # ------------------------------------------------------------------------------------ stages
     def task(self) -> None:
@@ -341,6 +347,62 @@ class Demo:
         if result.interrupted:
             raise KeyboardInterrupt
 
+    def confirm(self) -> None:
+        """Score the best-gold checkpoint and the starting policy once more on the held-out prompts, with
+        fresh samples (a seed the run never used) and ``confirm_samples`` responses per prompt. The best
+        step was picked as the maximum of several noisy evaluations, which biases its in-run figure
+        upwards; these new samples are independent of that choice. Both policies draw from the same
+        random stream (common random numbers), so their per-prompt difference is less noisy."""
+        import contextlib
+
+        import torch
+        from peft import PeftModel
+
+        from ppolm import models
+        from ppolm import rollout as ro
+        from ppolm.data import encode_prompt
+        from ppolm.gold import gold_score
+
+        adapter = self.out / "best" / "policy_adapter"
+        if not adapter.is_dir():
+            say("      no best-gold checkpoint was saved; nothing to confirm")
+            return
+        s, cfg = self.sizes, self.cfg
+        temperature = self.ppo_temperature()
+        tok = models.load_tokenizer(cfg.model)
+        policy = PeftModel.from_pretrained(models.load_causal_lm(cfg.model, dtype=torch.float32, tokenizer=tok),
+                                           str(adapter)).eval()
+        prompts = [json.loads(x)["prompt"] for x in (self.out / "prompts_eval.jsonl").read_text().splitlines()]
+        jobs = [p for p in prompts for _ in range(s.confirm_samples)]
+        bs = 64
+        scores: dict[str, list[float]] = {}
+        t = time.perf_counter()
+        for which in ("before", "best"):
+            torch.manual_seed(cfg.seed + 2_000_029)  # the same fresh stream for both policies
+            texts: list[str] = []
+            ctx = policy.disable_adapter() if which == "before" else contextlib.nullcontext()
+            with ctx, torch.no_grad():
+                for i in range(0, len(jobs), bs):
+                    ids = [encode_prompt(p, tok, True) for p in jobs[i:i + bs]]
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+                        roll = ro.generate(policy, ids, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+                                           max_new_tokens=s.response_length, temperature=temperature)
+                    texts += tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)
+            scores[which] = [gold_score(x) for x in texts]
+            say(f"      {which}: {len(texts)} fresh responses scored ({time.perf_counter() - t:.0f}s)")
+        k = s.confirm_samples
+        per_prompt = {w: [sum(v[j * k:(j + 1) * k]) / k for j in range(len(prompts))] for w, v in scores.items()}
+        diffs = [b - a for a, b in zip(per_prompt["before"], per_prompt["best"])]
+        self.state["confirm"] = {"before": mean_se(per_prompt["before"]), "best": mean_se(per_prompt["best"]),
+                                 "gain": mean_se(diffs), "samples_per_prompt": k, "n_prompts": len(prompts),
+                                 "temperature": temperature}
+
+    def ppo_temperature(self) -> float:
+        import yaml
+
+        cfg = yaml.safe_load((self.out / "config.yaml").read_text())
+        return float((cfg.get("generation") or {}).get("temperature", cfg.get("temperature", 0.7)))
+
     def summarise(self) -> None:
         from ppolm.report import write_report
         from ppolm.tracking import read_jsonl
@@ -363,15 +425,32 @@ class Demo:
             # the per-prompt differences (a paired comparison); the unpaired one ignores that and is larger.
             diffs = self.paired_gold_differences(b["step"])
             se = mean_se(diffs)["se"] if len(diffs) > 1 else se_unpaired
-            ok = gain > 2 * se
-            self.state["verdict"] = (
-                f"Best-gold checkpoint (step {b['step']}, KL {b['kl']:.2f} nats): gold {b['mean']:.3f} ± {b['se']:.3f} "
-                f"vs {a['mean']:.3f} ± {a['se']:.3f} before PPO on the same {len(diffs)} held-out prompts: a gain of "
-                f"{gain:+.3f} ± {se:.3f} (paired standard error; {se_unpaired:.3f} unpaired), "
-                f"{'more' if ok else 'less'} than twice its standard error. "
-                "(The best step is chosen on these same prompts, so the gain is optimistic.)")
-            self.state["gold_gain"] = {"gain": gain, "se": se, "se_unpaired": se_unpaired, "n_prompts": len(diffs),
-                                       "beats_2se": ok, "beats_2se_unpaired": gain > 2 * se_unpaired}
+            in_run = (f"gold {b['mean']:.3f} ± {b['se']:.3f} vs {a['mean']:.3f} ± {a['se']:.3f} before PPO on the same "
+                      f"{len(diffs)} held-out prompts, a gain of {gain:+.3f} ± {se:.3f} (paired standard error; "
+                      f"{se_unpaired:.3f} unpaired)")
+            gold_gain = {"gain": gain, "se": se, "se_unpaired": se_unpaired, "n_prompts": len(diffs),
+                         "in_run": {"gain": gain, "se": se, "beats_2se": gain > 2 * se}}
+            c = self.state.get("confirm")
+            if c:  # fresh samples, independent of the choice of the best step: the figure that counts
+                gain, se = c["gain"]["mean"], c["gain"]["se"]
+                ok = gain > 2 * se
+                self.state["verdict"] = (
+                    f"Best-gold checkpoint (step {b['step']}, KL {b['kl']:.2f} nats), scored again after PPO on "
+                    f"{c['samples_per_prompt']} fresh response(s) to each of the {c['n_prompts']} held-out prompts: "
+                    f"gold {c['best']['mean']:.3f} ± {c['best']['se']:.3f} vs {c['before']['mean']:.3f} ± "
+                    f"{c['before']['se']:.3f} for the starting policy, a gain of {gain:+.3f} ± {se:.3f} (paired "
+                    f"over prompts), {'more' if ok else 'less'} than twice its standard error. In the run's own "
+                    f"evaluations, from which the best step was picked (so optimistic): {in_run}.")
+                gold_gain.update(gain=gain, se=se, n_prompts=c["n_prompts"], source="fresh samples after PPO")
+            else:
+                ok = gain > 2 * se
+                self.state["verdict"] = (
+                    f"Best-gold checkpoint (step {b['step']}, KL {b['kl']:.2f} nats): {in_run}, "
+                    f"{'more' if ok else 'less'} than twice its standard error. "
+                    "(The best step is chosen on these same prompts, so the gain is optimistic.)")
+                gold_gain["source"] = "in-run evaluations"
+            gold_gain.update(beats_2se=ok, beats_2se_unpaired=gold_gain["in_run"]["gain"] > 2 * se_unpaired)
+            self.state["gold_gain"] = gold_gain
         self.save_state()
         path = write_report(self.out)
         say(self.state.get("verdict", ""))
@@ -412,7 +491,8 @@ class Demo:
             self.stage(2, "pairs", self.pairs)
             self.stage(3, "reward_model", self.reward_model)
             self.stage(4, "ppo", self.ppo)
-            self.stage(5, "report", self.summarise)
+            self.stage(5, "confirm", self.confirm)
+            self.stage(6, "report", self.summarise)
         except KeyboardInterrupt:
             self.save_state()
             done = ", ".join(self.state["done"]) or "nothing"

@@ -252,6 +252,29 @@ class PPOTrainer:
                     head.weight.mul_(rms[0].gain)
                 self.value_bias = torch.nn.Parameter(torch.tensor(float(rms[0].bias), device=self.device))
 
+        # Frozen layers the reference has in common with the reward models (and, with LoRA on the top
+        # layers only, with the policy) are stored once and run once per batch (ppolm/trunk.py).
+        from ppolm import trunk as trunk_lib
+
+        ref_model = self.reference if self.reference is not None else self.policy
+        self.rm_start = [0] * len(rms)
+        self.policy_start = 0
+        if m.share_trunk:
+            for i, rm in enumerate(rms):
+                k = trunk_lib.shared_prefix(ref_model, rm.model) if self.rm_same_vocab[i] else 0
+                if k:
+                    trunk_lib.alias(ref_model, rm.model, k)
+                    self.rm_start[i] = k
+            if self.reference is None:
+                self.policy_start = trunk_lib.policy_prefix(self.policy)
+            if self.tap is not None and self.critic_source[1] == "keep":
+                # the critic's trunk enters a layer the reward model now shares: tap the reference's
+                j = self.critic.total_layers - self.critic.n
+                if j < self.rm_start[0]:
+                    self.tap.layer = critic_lib.stack(ref_model)[1][j]  # type: ignore[index]
+        self.recorder = (trunk_lib.Recorder(ref_model, set(self.rm_start) | {self.policy_start})
+                         if any(self.rm_start) or self.policy_start else None)
+
         # Optimisers: separate learning rates for actor and critic (Adam eps 1e-5, detail 16)
         self.actor_params = [p for p in self.policy.parameters() if p.requires_grad]
         self.critic_params = [p for _, p in self.critic_named_parameters()]
@@ -286,11 +309,13 @@ class PPOTrainer:
         return out
 
     def forward_train(self, roll: ro.Rollout, need_entropy_grad: bool,
-                      trunk: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                      trunk: torch.Tensor | None = None,
+                      entering: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Policy log-probs, entropy and values on a rollout: each (B, R). ``trunk`` (B, P + R, d): the
-        frozen trunk's hidden state that feeds a top-layers critic."""
+        frozen trunk's hidden state that feeds a top-layers critic; ``entering``: the state entering
+        the policy's first adapted layer, from the reference pass (LoRA on the top layers only)."""
         with self.autocast():
-            h = ro.response_hidden(self.policy, roll)
+            h = ro.response_hidden(self.policy, roll, self.policy_start, entering)
             logits = ro.lm_head(self.policy)(h).float() / self.cfg.generation.temperature  # (B, R, V)
             logp = core.logprobs_from_logits(logits, roll.response)
             with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
@@ -307,6 +332,16 @@ class PPOTrainer:
         return logp, ent, v
 
     @torch.no_grad()
+    def reference_pass(self, roll: ro.Rollout) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Reference log-probs (B, R) and the hidden states, by layer index, where the reward models
+        and the policy part from the reference's frozen layers (empty when nothing is shared)."""
+        if self.recorder is None:
+            return self.reference_logprobs(roll), {}
+        with self.recorder.record() as found:
+            ref = self.reference_logprobs(roll)
+        return ref, found
+
+    @torch.no_grad()
     def reference_logprobs(self, roll: ro.Rollout) -> torch.Tensor:
         t = self.cfg.generation.temperature
         with self.autocast():
@@ -316,16 +351,22 @@ class PPOTrainer:
             return ro.logprobs(self.reference, roll, t)
 
     @torch.no_grad()
-    def score(self, roll: ro.Rollout, prompts: list[Any], rewarder: Any = None
+    def score(self, roll: ro.Rollout, prompts: list[Any], rewarder: Any = None,
+              found: dict[int, torch.Tensor] | None = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
-        """Score each full prompt+response once; (B,) total plus each source's (B,)."""
+        """Score each full prompt+response once; (B,) total plus each source's (B,). ``found``: the
+        reference pass's hidden states, from which reward models sharing its layers start."""
         rewarder = rewarder or self.rewarder
         texts = self.tokenizer.batch_decode(roll.response * roll.response_mask + self.pad_id * (1 - roll.response_mask),
                                             skip_special_tokens=True)
 
         def rm_scores(rm: Any) -> torch.Tensor:
             with self.autocast():
-                if self.rm_same_vocab[rewarder.models.index(rm)]:
+                i = rewarder.models.index(rm)
+                if self.rm_same_vocab[i]:
+                    k = self.rm_start[i]
+                    if found and k in found:
+                        return rm.score_ids(roll.input_ids, roll.attention_mask, k, found[k])
                     return rm.score_ids(roll.input_ids, roll.attention_mask)
                 full = self.tokenizer.batch_decode(
                     [row[mask.bool()] for row, mask in zip(roll.input_ids, roll.attention_mask)])
@@ -399,27 +440,30 @@ class PPOTrainer:
         def tapping() -> contextlib.AbstractContextManager:
             return self.tap.capture() if self.tap is not None else contextlib.nullcontext()
 
+        #    The reference pass comes first: reward models (and a LoRA policy) that share its frozen
+        #    lower layers start from the hidden state it recorded (ppolm/trunk.py).
         if self.tap is not None:
             self.tap.hidden = None
         with tapping():
-            scores, parts, texts = self.score(roll, prompts)  # (B,)
+            ref_logprobs, found = self.reference_pass(roll)  # (B, R)
+        with tapping():
+            scores, parts, texts = self.score(roll, prompts, found=found)  # (B,)
         if cfg.reward.missing_eos_penalty is not None:
             scores = torch.where(roll.ended, scores, torch.full_like(scores, cfg.reward.missing_eos_penalty))
         if cfg.reward.length_penalty:
             scores = scores - cfg.reward.length_penalty * roll.lengths.float()
 
-        # 3. Log-probs under the frozen reference, and the rollout policy's own log-probs and values.
-        #    With one minibatch per epoch the first epoch's forward pass *is* the rollout pass (ratio
-        #    1 exactly), so it runs once, with grad, and is reused below: no repeated forward pass.
-        with tapping():
-            ref_logprobs = self.reference_logprobs(roll)  # (B, R)
+        # 3. The rollout policy's own log-probs and values (the reference's came above). With one
+        #    minibatch per epoch the first epoch's forward pass *is* the rollout pass (ratio 1
+        #    exactly), so it runs once, with grad, and is reused below: no repeated forward pass.
+        entering = found.get(self.policy_start) if self.policy_start else None
         trunk = None
         if self.tap is not None:
             trunk = self.tap.hidden if self.tap.hidden is not None else self.trunk_hidden(roll)
         fused = a.minibatches == 1 and a.grad_accum == 1
         _trim()
         with torch.set_grad_enabled(fused):
-            fused_out = self.forward_train(roll, a.entropy_coef > 0, trunk)
+            fused_out = self.forward_train(roll, a.entropy_coef > 0, trunk, entering)
         old_logprobs, entropy, old_values = (x.detach() for x in fused_out)  # (B, R) each
         t_score = time.perf_counter()
 
@@ -458,7 +502,8 @@ class PPOTrainer:
                         logp, ent, v = (x[micro] for x in fused_out)
                     else:
                         logp, ent, v = self.forward_train(roll.select(micro), a.entropy_coef > 0,
-                                                          None if trunk is None else trunk[micro])
+                                                          None if trunk is None else trunk[micro],
+                                                          None if entering is None else entering[micro])
                     m_ = mask[micro]
                     pg_loss, pg = core.policy_loss(logp, old_logprobs[micro], advantages[micro], m_, a.clip_eps)
                     vf_loss, vf = core.value_loss(v, old_values[micro], returns[micro], m_, a.vf_clip)
@@ -572,10 +617,12 @@ class PPOTrainer:
                     roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
                                        max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
                                        top_k=g.top_k, ignore_eos=g.ignore_eos)
-                    logp = ro.logprobs(self.policy, roll, g.temperature)
-                ref = self.reference_logprobs(roll)
+                ref, found = self.reference_pass(roll)
+                with self.autocast():
+                    k = self.policy_start
+                    logp = ro.logprobs(self.policy, roll, g.temperature, k, found.get(k) if k else None)
                 kl = (core.kl_penalty(logp, ref, cfg.kl.kl_estimator) * roll.response_mask).sum(1)
-                _, parts, texts = self.score(roll, prompts, scorer)
+                _, parts, texts = self.score(roll, prompts, scorer, found)
                 # the training score excludes the eval-only scorers' weights
                 total = sum((parts[f"reward/{f.name}"] * f.weight for f in scorer.functions[:n_train]),
                             torch.zeros(len(prompts)))

@@ -22,6 +22,8 @@ class ModelConfig:
     """Initialise a separate critic from the (first) reward model (Huang et al. 2024) or from the policy. Falls back to the policy when only reward functions are given."""
     critic_layers: int = 4
     """Train only the separate critic's top N layers (and its head). Its lower layers stay frozen and are shared with the frozen model it starts from (reward model or reference): no extra memory, no extra forward pass. 0 = train every layer of a full copy (as TRL)."""
+    share_trunk: bool = True
+    """Store and run once the frozen layers that the reference has in common with a reward model (one trained from the same base with `ppolm reward --train-layers N`) or with a LoRA policy's adapter-free lower layers; found by comparing weights, results unchanged (ppolm/trunk.py). false = run every model in full."""
     lora_r: int = 0
     """LoRA rank for the policy (peft); 0 = full fine-tuning. With LoRA the reference is the policy with its adapter disabled (no second copy)."""
     lora_alpha: float = 32.0

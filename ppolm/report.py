@@ -268,6 +268,15 @@ def summary_html(run: Run) -> str:
                            f"<td class=num>{_f(g.get(k, {}).get('kl'), 2)}</td></tr>"
                            for k, label in (("before", "starting policy"), ("best", "best-gold checkpoint"),
                                             ("end", "end of PPO")) if g.get(k))
+            c = d.get("confirm")
+            if c:
+                rows += "".join(
+                    f"<tr><td>{_e(label)}, scored again on {_e(c.get('samples_per_prompt'))} fresh sample(s) per "
+                    f"prompt</td><td class=num>{_pm(c.get(k))}</td><td class=num>{_e(g.get(k, {}).get('step', '–'))}"
+                    f"</td><td class=num>{_f(g.get(k, {}).get('kl'), 2)}</td></tr>"
+                    for k, label in (("before", "starting policy"), ("best", "best-gold checkpoint")) if c.get(k))
+                rows += (f"<tr><td><b>gain of the best-gold checkpoint (fresh samples, paired)</b></td>"
+                         f"<td class=num><b>{_pm(c.get('gain'))}</b></td><td></td><td></td></tr>")
             parts.append("<table><tr><th>policy</th><th>gold reward (mean ± SE)</th><th>step</th>"
                          f"<th>KL (nats)</th></tr>{rows}</table>")
             if d.get("verdict"):

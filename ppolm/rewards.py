@@ -128,11 +128,18 @@ class RewardModel:
         self.gain, self.bias = read_norm(self.dir)
 
     @torch.no_grad()
-    def score_ids(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Normalised score at the last real token of each left-/right-padded row. ids, mask: (B, T)."""
-        from ppolm.models import scalar_forward
+    def score_ids(self, ids: torch.Tensor, mask: torch.Tensor, start: int = 0,
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalised score at the last real token of each left-/right-padded row. ids, mask: (B, T).
+        With ``hidden`` (B, T, d), the state entering layer ``start`` that this model shares with the
+        reference (ppolm/trunk.py), only layers ``start ..`` run."""
+        from ppolm import models, trunk
 
-        values = scalar_forward(self.model, ids, mask)  # (B, T)
+        if hidden is None:
+            values = models.scalar_forward(self.model, ids, mask)  # (B, T)
+        else:
+            last_hidden = trunk.run_from(self.model, start, hidden, mask)
+            values = models._unwrap(self.model).score(last_hidden).squeeze(-1).float()
         last = mask.shape[1] - 1 - mask.flip(1).long().argmax(1)  # last real position per row
         raw = values.gather(1, last[:, None]).squeeze(1).float()
         return raw * self.gain + self.bias

@@ -143,15 +143,24 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(base, base.base_model_prefix)
 
 
-def response_hidden(model: torch.nn.Module, roll: Rollout) -> torch.Tensor:
+def response_hidden(model: torch.nn.Module, roll: Rollout, start: int = 0,
+                    entering: torch.Tensor | None = None) -> torch.Tensor:
     """Last hidden states at the positions that predict each response token: (B, R, d).
 
     Position P - 1 + t predicts response token t, so only R of the P + R positions are kept
-    before the LM head (no logits for prompt tokens: less time and memory).
+    before the LM head (no logits for prompt tokens: less time and memory). With ``entering``
+    (B, P + R, d), the hidden state entering layer ``start`` recorded by the reference pass
+    (ppolm/trunk.py), only layers ``start ..`` run.
     """
     ids, mask = roll.input_ids, roll.attention_mask
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+    if entering is not None:
+        from ppolm import trunk
+
+        hidden = trunk.run_from(model, start, entering, mask)
+    else:
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                 use_cache=False).last_hidden_state
     p, r = roll.query.shape[1], roll.response.shape[1]
     return hidden[:, p - 1:p - 1 + r]
 
@@ -169,9 +178,11 @@ def logprobs_and_entropy(model: torch.nn.Module, roll: Rollout, temperature: flo
     return core.logprobs_from_logits(logits, roll.response), core.entropy_from_logits(logits)
 
 
-def logprobs(model: torch.nn.Module, roll: Rollout, temperature: float) -> torch.Tensor:
-    """Per-token log-probs only (B, R): for the frozen reference."""
-    logits = lm_head(model)(response_hidden(model, roll)).float() / temperature
+def logprobs(model: torch.nn.Module, roll: Rollout, temperature: float, start: int = 0,
+             entering: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token log-probs only (B, R): for the frozen reference (and the policy in evaluation).
+    ``start``/``entering``: as in ``response_hidden``."""
+    logits = lm_head(model)(response_hidden(model, roll, start, entering)).float() / temperature
     return core.logprobs_from_logits(logits, roll.response)
 
 

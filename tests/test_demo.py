@@ -59,9 +59,15 @@ def test_demo_interrupt_resume_and_report(tiny_policy_dir, tmp_path, monkeypatch
     monkeypatch.setattr(demo.Demo, "reward_model", real)
     assert cli.main(args + ["--resume"]) == 0
     err = capsys.readouterr().err
-    assert "[2/5] pairs: already done" in err and "report:" in err
+    assert "[2/6] pairs: already done" in err and "report:" in err
     state = json.loads((out / "demo.json").read_text())
-    assert state["done"] == ["task", "pairs", "reward_model", "ppo", "report"]
+    assert state["done"] == ["task", "pairs", "reward_model", "ppo", "confirm", "report"]
+    # the best checkpoint scored again on fresh samples (1 per prompt in --quick): the gain is paired
+    c = state["confirm"]
+    assert c["n_prompts"] == 4 and c["samples_per_prompt"] == 1 and c["temperature"] == 0.7
+    assert abs(c["gain"]["mean"] - (c["best"]["mean"] - c["before"]["mean"])) < 1e-9
+    assert state["gold_gain"]["source"] == "fresh samples after PPO" and state["gold_gain"]["gain"] == c["gain"]["mean"]
+    assert "fresh" in state["verdict"]
     assert 0 <= state["rm_accuracy"] <= 1 and set(state["gold"]) >= {"before", "end", "best"}
     assert state["gold"]["before"]["step"] == 0 and state["gold"]["end"]["step"] == 2
     assert "gold_gain" in state and (out / "best.json").is_file() and (out / "best").is_dir()
