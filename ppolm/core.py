@@ -92,7 +92,9 @@ def logprobs_from_logits(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    scaled = logits.float() / temperature
+    scaled = logits.float()
+    if temperature != 1.0:  # (no full-size copy for T = 1)
+        scaled = scaled / temperature
     picked = torch.gather(scaled, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
 

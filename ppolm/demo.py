@@ -93,7 +93,7 @@ class Sizes:
     """K responses per training prompt, ranked by the labeller: C(K, 2) pairs each (InstructGPT used K = 4..9)."""
     pair_temperature: float = 1.0
     """Sampling temperature of the responses to compare (diverse responses make informative comparisons)."""
-    confirm_samples: int = 2
+    confirm_samples: int = 4
     """Fresh responses per held-out prompt with which the best-gold checkpoint and the starting policy are
     scored again after PPO (the best step was chosen on the in-run evaluations, so those are optimistic)."""
 
@@ -276,35 +276,21 @@ class Demo:
     def reward_model(self) -> None:
         from ppolm import config
         from ppolm.reward_train import RewardTrainConfig, train_reward
-        from ppolm.rewards import RewardModel, write_norm
 
         s, out = self.sizes, self.out
         cfg = config.build(RewardTrainConfig, dict(
             model=self.cfg.model, data=str(out / "pairs_train.jsonl"), eval_data=str(out / "pairs_eval.jsonl"),
             output_dir=str(out / RM_DIR), epochs=s.rm_epochs, train_layers=s.rm_layers, lr=s.rm_lr, batch_size=8,
-            normalize=False, precision=self.precision, seed=self.cfg.seed, overwrite=True, quiet=self.cfg.quiet))
+            normalize=True, norm_source="pairs", precision=self.precision, seed=self.cfg.seed, overwrite=True,
+            quiet=self.cfg.quiet))
+        # Normalised on the starting policy's own samples, the pairs' responses: mean 0, std 1 (OpenAI
+        # detail 8), from the trained top layers on the cached trunk (no second pass over the texts).
         rows = train_reward(cfg)
         acc = rows[-1].get("eval_accuracy")
-        # Normalise on the starting policy's own samples (the pairs): mean 0, std 1 (OpenAI detail 8).
-        import torch
-
-        rm = RewardModel(str(out / RM_DIR), dtype=torch.float32, device="cpu")
         held_pairs = [json.loads(x) for x in (out / "pairs_eval.jsonl").read_text().splitlines()]
-        pairs = [json.loads(x) for x in (out / "pairs_train.jsonl").read_text().splitlines()] + held_pairs
-        # as the RM was trained and as PPO scores: chat-templated prompt, response, EOS; each text once
-        head = {p: rm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                    add_generation_prompt=True) for p in {r["prompt"] for r in pairs}}
-        key = {(r["prompt"], r[side]): head[r["prompt"]] + r[side] + rm.tokenizer.eos_token
-               for r in pairs for side in ("chosen", "rejected")}
-        texts = list(dict.fromkeys(key.values()))
-        raw = dict(zip(texts, rm.score_texts(texts).tolist()))
-        values = torch.tensor(list(raw.values()))
-        mean, std = float(values.mean()), float(values.std())
-        write_norm(out / RM_DIR, 1.0 / max(std, 1e-6), -mean / max(std, 1e-6), raw_mean=mean, raw_std=std,
-                   n_samples=len(texts), policy=self.cfg.model)
-        vs_gold = [(raw[key[(r["prompt"], r["chosen"])]] > raw[key[(r["prompt"], r["rejected"])]])
-                   == (r["gold_chosen"] > r["gold_rejected"])
-                   for r in held_pairs if r["gold_chosen"] != r["gold_rejected"]]
+        scored = [json.loads(x) for x in (out / RM_DIR / "eval_scores.jsonl").read_text().splitlines()]
+        vs_gold = [(sc["score_chosen"] > sc["score_rejected"]) == (r["gold_chosen"] > r["gold_rejected"])
+                   for r, sc in zip(held_pairs, scored) if r["gold_chosen"] != r["gold_rejected"]]
         self.state.update(rm_accuracy=acc, rm_accuracy_vs_gold=sum(vs_gold) / max(1, len(vs_gold)))
         say(f"      proxy RM held-out accuracy {acc:.3f} on {len(held_pairs)} labelled pairs "
             f"({self.state['rm_accuracy_vs_gold']:.3f} against the noise-free gold ordering)")

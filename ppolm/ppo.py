@@ -310,16 +310,18 @@ class PPOTrainer:
 
     def forward_train(self, roll: ro.Rollout, need_entropy_grad: bool,
                       trunk: torch.Tensor | None = None,
-                      entering: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                      entering: torch.Tensor | None = None, want_entropy: bool = True) -> tuple[Any, ...]:
         """Policy log-probs, entropy and values on a rollout: each (B, R). ``trunk`` (B, P + R, d): the
         frozen trunk's hidden state that feeds a top-layers critic; ``entering``: the state entering
         the policy's first adapted layer, from the reference pass (LoRA on the top layers only)."""
         with self.autocast():
             h = ro.response_hidden(self.policy, roll, self.policy_start, entering)
-            logits = ro.lm_head(self.policy)(h).float() / self.cfg.generation.temperature  # (B, R, V)
+            logits = ro.tempered_logits(self.policy, h, self.cfg.generation.temperature)  # (B, R, V)
             logp = core.logprobs_from_logits(logits, roll.response)
-            with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
-                ent = core.entropy_from_logits(logits)
+            ent = None  # two more (B, R, V) tensors: only for the first pass's metric or an entropy bonus
+            if want_entropy:
+                with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
+                    ent = core.entropy_from_logits(logits)
             if self.value_head is not None:
                 v = self.value_head(h).squeeze(-1).float()
             elif self.tap is not None:
@@ -490,7 +492,7 @@ class PPOTrainer:
             self.skip_cause = f"non-finite reward (NaN/inf) from {', '.join(bad)}"
             self.warn_once("reward", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
         stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "clipfrac", "pg", "vf", "vf_clipfrac",
-                                                         "ratio", "entropy", "ptx")}
+                                                         "ratio", "ptx")}
         skipped, epochs_done = 0, 0
         gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
         for _epoch in range(a.ppo_epochs if finite else 0):
@@ -503,7 +505,8 @@ class PPOTrainer:
                     else:
                         logp, ent, v = self.forward_train(roll.select(micro), a.entropy_coef > 0,
                                                           None if trunk is None else trunk[micro],
-                                                          None if entering is None else entering[micro])
+                                                          None if entering is None else entering[micro],
+                                                          want_entropy=a.entropy_coef > 0)
                     m_ = mask[micro]
                     pg_loss, pg = core.policy_loss(logp, old_logprobs[micro], advantages[micro], m_, a.clip_eps)
                     vf_loss, vf = core.value_loss(v, old_values[micro], returns[micro], m_, a.vf_clip)
@@ -521,8 +524,7 @@ class PPOTrainer:
                     loss = loss + (a.vf_coef * vf_loss if self.value_head is not None else vf_loss)
                     (loss / a.grad_accum).backward()
                     for key, val in (("approxkl", pg["approxkl"]), ("clipfrac", pg["clipfrac"]), ("pg", pg_loss),
-                                     ("vf", vf_loss), ("vf_clipfrac", vf["clipfrac"]), ("ratio", pg["ratio"]),
-                                     ("entropy", core.masked_mean(ent.detach(), m_))):
+                                     ("vf", vf_loss), ("vf_clipfrac", vf["clipfrac"]), ("ratio", pg["ratio"])):
                         stats[key].append(float(val.detach()) if torch.is_tensor(val) else float(val))
                     epoch_kl.append(float(pg["approxkl"]))
                 if not self.optimizer_step():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -75,6 +76,8 @@ class RewardTrainConfig:
     """Apply the tokenizer's chat template to text prompts, as `ppolm ppo` does before scoring."""
     normalize: bool = True
     """After training, set a gain and bias so scores have mean 0, std 1 on responses of --norm-policy (OpenAI detail 8)."""
+    norm_source: Literal["samples", "pairs"] = "samples"
+    """What the normalisation is fitted on: fresh samples of --norm-policy, or the chosen and rejected responses of --data and --eval-data (each distinct text once, no sampling; right when the pairs are that policy's own samples)."""
     norm_policy: str | None = None
     """Reference policy whose samples define the normalisation; default: --model (the SFT model PPO starts from)."""
     norm_prompts: str | None = None
@@ -214,7 +217,7 @@ def evaluate_pairs(score_fn: Any, encoded: list[tuple], batch_size: int) -> dict
         m += [x for _, _, x in batch]
     c, r = torch.cat(rc), torch.cat(rr)
     return {"accuracy": float((c > r).float().mean()), "loss": float(core.pairwise_loss(c, r, torch.tensor(m))),
-            "margin": float((c - r).mean()), "n": len(c)}
+            "margin": float((c - r).mean()), "n": len(c), "scores": (c.tolist(), r.tolist())}
 
 
 # ------------------------------------------------------------------------------------ training
@@ -376,11 +379,14 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         with common.autocast(device, cfg.precision):
             return score_seqs(model, seqs, pad, device)
 
+    last_eval: dict[str, Any] = {}
+
     def held_out(row: dict[str, Any]) -> dict[str, Any]:
         if held:
             model.eval()
             ev = evaluate_pairs(scores, held, cfg.batch_size)
             row.update(eval_accuracy=ev["accuracy"], eval_loss=ev["loss"], eval_margin=ev["margin"])
+            last_eval.update(ev)
         return row
 
     def step_fn(idx: list[int]) -> tuple[torch.Tensor, int, dict[str, int]]:
@@ -402,7 +408,36 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         return loop.rows, False
     rows = loop.rows
     common.save_model(model, tok, out, merge=True)
-    if cfg.normalize:
+    if held:
+        # the final model's raw scores of every held-out pair, in the order of --eval-data (or of the
+        # held-out split): which pairs it gets wrong, and how sure it is
+        if not last_eval:
+            model.eval()
+            last_eval.update(evaluate_pairs(scores, held, cfg.batch_size))
+        chosen, rejected = last_eval["scores"]
+        try:
+            tmp = out / "eval_scores.jsonl.tmp"
+            tmp.write_text("".join(json.dumps({"score_chosen": c, "score_rejected": r, "correct": c > r}) + "\n"
+                                   for c, r in zip(chosen, rejected)), encoding="utf-8")
+            tmp.replace(out / "eval_scores.jsonl")
+        except OSError as e:
+            raise checkpoint.disk_error(e, out) from None
+    if cfg.normalize and cfg.norm_source == "pairs":
+        from ppolm.rewards import write_norm
+
+        model.eval()
+        texts = list(dict.fromkeys(tuple(x) for x in every))
+        with torch.no_grad():
+            raw = torch.cat([scores([list(x) for x in texts[i:i + 2 * cfg.batch_size]]).float().cpu()
+                             for i in range(0, len(texts), 2 * cfg.batch_size)])
+        mean, std = float(raw.mean()), float(raw.std(unbiased=False))
+        if not (math.isfinite(mean) and std > 1e-8):
+            raise PPOLMError(f"the reward model gives (nearly) the same score to all {len(texts)} responses of the "
+                             f"pairs (std {std:.2g}); train it longer or pass --no-normalize")
+        gain, bias = 1.0 / std, -mean / std
+        write_norm(out, gain, bias, raw_mean=mean, raw_std=std, n_samples=len(texts), source="pairs")
+        rows[-1].update(norm_gain=gain, norm_bias=bias)
+    elif cfg.normalize:
         prompts = [p.prompt for p in pairs]
         prompts = list({repr(p): p for p in prompts}.values())  # unique, in order
         gain, bias = normalize_reward_model(out, cfg.norm_policy or cfg.model, cfg.norm_prompts or prompts,

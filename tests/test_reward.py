@@ -244,3 +244,35 @@ def test_trunk_cache_trains_the_same_model_as_recomputing(tiny_policy_dir, train
         else:
             assert torch.allclose(v, w_r[k], atol=1e-6), k
     assert moved == (0 if layers == 0 else 10)  # head only; or layer 1's 9 tensors and the final norm
+
+
+def test_normalise_on_the_pairs_and_write_held_out_scores(tiny_policy_dir, trained, tmp_path):
+    """--norm-source pairs: over every distinct chosen/rejected text of the data and eval data, the
+    normalised scores (full forward of the saved model) have mean 0 and std 1; eval_scores.jsonl holds
+    the final model's raw scores of each held-out pair, in order, and its accuracy is the last row's."""
+    from ppolm.rollout import left_pad
+
+    out = tmp_path / "rm"
+    rows = train_reward(rm_cfg(tiny_policy_dir, trained["train"], out, eval_data=str(trained["held"]),
+                               norm_source="pairs"))
+    norm = json.loads((out / NORM_FILE).read_text())
+    assert norm["source"] == "pairs" and rows[-1]["norm_gain"] == pytest.approx(norm["gain"])
+    tok = models.load_tokenizer(out)
+    train = encode_pairs(load_pairs(str(trained["train"])), tok, True, 512)
+    held = encode_pairs(load_pairs(str(trained["held"])), tok, True, 512)
+    texts = list(dict.fromkeys(tuple(x) for c, r, _ in train + held for x in (c, r)))
+    assert norm["n_samples"] == len(texts)
+    rm = RewardModel(str(out), dtype=torch.float32, device="cpu")
+    got = []
+    for i in range(0, len(texts), 16):
+        ids, mask = left_pad([list(x) for x in texts[i:i + 16]], tok.pad_token_id, "cpu")
+        got.append(rm.score_ids(ids, mask))
+    s = torch.cat(got)
+    assert abs(float(s.mean())) < 1e-3 and float(s.std(unbiased=False)) == pytest.approx(1.0, abs=1e-3)
+    scored = [json.loads(x) for x in (out / "eval_scores.jsonl").read_text().splitlines()]
+    assert len(scored) == len(held) == 32
+    assert sum(r["correct"] for r in scored) / 32 == pytest.approx(rows[-1]["eval_accuracy"])
+    c, r, _ = held[0]
+    ids, mask = left_pad([c, r], tok.pad_token_id, "cpu")
+    raw = (rm.score_ids(ids, mask) - rm.bias) / rm.gain
+    assert raw.tolist() == pytest.approx([scored[0]["score_chosen"], scored[0]["score_rejected"]], abs=1e-4)
