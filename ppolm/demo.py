@@ -93,6 +93,11 @@ class Sizes:
     """K responses per training prompt, ranked by the labeller: C(K, 2) pairs each (InstructGPT used K = 4..9)."""
     pair_temperature: float = 1.0
     """Sampling temperature of the responses to compare (diverse responses make informative comparisons)."""
+    length_penalty: float = 0.05
+    """PPO's length penalty per response token beyond ``length_budget`` (in units of the normalised proxy
+    reward): the seeds' mitigation against length drift, since the proxy, unlike the judge, rewards length."""
+    length_budget: int = 20
+    """Response tokens free of the length penalty (about the judge's 15-word budget)."""
     confirm_samples: int = 4
     """Fresh responses per held-out prompt with which the best-gold checkpoint and the starting policy are
     scored again after PPO (the best step was chosen on the in-run evaluations, so those are optimistic)."""
@@ -319,9 +324,14 @@ class Demo:
             steps=s.steps, batch_size=s.batch_size, minibatches=1, ppo_epochs=s.ppo_epochs,
             response_length=s.response_length, actor_lr=s.actor_lr, lora_r=s.lora_r,
             lora_target=self.lora_targets(), kl_coef=s.kl_coef, kl_target=s.kl_target,
+            length_penalty=s.length_penalty, length_budget=s.length_budget,
             adaptive_kl=True, precision=self.precision, seed=self.cfg.seed, sample_every=1, save_every=1,
             keep_last=1, output_dir=str(out), overwrite=not resume, resume=resume, quiet=self.cfg.quiet))
         proxy = f"eval/{RM_DIR}"
+        if s.length_penalty:
+            self.state["ppo_reward"] = (f"proxy reward model score - {s.length_penalty} per response token beyond "
+                                        f"{s.length_budget} (a length penalty against length drift)")
+            say(f"      PPO reward: {self.state['ppo_reward']}; KL penalty on top")
 
         def check(rows: list[dict[str, Any]]) -> list[alarms.Alarm]:
             found = alarms.check_all(rows, kl_target=s.kl_target)

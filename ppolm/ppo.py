@@ -453,7 +453,8 @@ class PPOTrainer:
         if cfg.reward.missing_eos_penalty is not None:
             scores = torch.where(roll.ended, scores, torch.full_like(scores, cfg.reward.missing_eos_penalty))
         if cfg.reward.length_penalty:
-            scores = scores - cfg.reward.length_penalty * roll.lengths.float()
+            over = (roll.lengths - cfg.reward.length_budget).clamp(min=0).float()
+            scores = scores - cfg.reward.length_penalty * over
 
         # 3. The rollout policy's own log-probs and values (the reference's came above). With one
         #    minibatch per epoch the first epoch's forward pass *is* the rollout pass (ratio 1

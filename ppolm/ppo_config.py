@@ -55,7 +55,9 @@ class RewardConfig:
     missing_eos_penalty: float | None = None
     """Score given to responses that never emit EOS, replacing the reward (OpenAI detail 4; e.g. -1). None = off."""
     length_penalty: float = 0.0
-    """Subtracted from the score per response token (counters length drift)."""
+    """Subtracted from the score per response token beyond --length-budget (counters length drift)."""
+    length_budget: int = 0
+    """Response tokens free of --length-penalty: score -= length_penalty * max(0, length - budget). A budget keeps the penalty from favouring empty or clipped answers."""
     whiten_rewards: bool = False
     """Whiten the per-token rewards over the batch (scale only, mean kept; OpenAI detail 11). Needs batch >= 8."""
 
@@ -224,6 +226,7 @@ class PPOConfig:
         need(not r.reward_fn_weights or len(r.reward_fn_weights) == len(r.reward_fn),
              f"--reward-fn-weights has {len(r.reward_fn_weights)} values for {len(r.reward_fn)} --reward-fn; give one per function")
         need(r.length_penalty >= 0, "--length-penalty must be >= 0")
+        need(r.length_budget >= 0, f"--length-budget must be >= 0; got {r.length_budget}")
         need(not (self.model.critic == "shared" and self.model.lora_r > 0),
              "--critic shared with --lora-r > 0 is not supported; use --critic separate")
         need(not (self.run.resume and self.run.overwrite), "--resume and --overwrite exclude each other; pick one")

@@ -255,6 +255,9 @@ def summary_html(run: Run) -> str:
                          if d.get("label_agreement") is not None else
                          f"<p><b>Proxy reward model.</b> held-out pairwise accuracy {_f(d['rm_accuracy'])} "
                          f"on {_e(d.get('rm_accuracy_n', '?'))} pairs.</p>")
+        if d.get("ppo_reward"):
+            parts.append(f"<p><b>PPO reward.</b> {_e(d['ppo_reward'])}, with the KL penalty against the "
+                         "starting policy.</p>")
         if d.get("rm_accuracy_vs_gold") is not None:
             parts.append(f"<p class=small>Against the noise-free gold ordering of the same pairs the proxy is right "
                          f"{_f(d['rm_accuracy_vs_gold'])} of the time. PPO optimises this imperfect proxy; the gold "

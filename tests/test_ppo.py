@@ -169,6 +169,11 @@ def test_missing_eos_and_length_penalties(tiny_policy_dir, tmp_path, reward_file
     # the random tiny model never emits EOS in 8 tokens: score = -3 - 0.25*8 = -5 for all
     assert metrics["response/length_mean"] == 8 and metrics["val/num_eos_tokens"] == 0
     assert [s["score"] for s in samples] == pytest.approx([-5.0] * 4)
+    # with a budget of 5 free tokens only 3 are penalised: -3 - 0.25 * (8 - 5) = -3.75
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "run3", reward_file, steps=1, missing_eos_penalty=-3.0,
+                   length_penalty=0.25, length_budget=5)
+    _, samples = PPOTrainer(cfg).step(0)
+    assert [s["score"] for s in samples] == pytest.approx([-3.75] * 4)
     with pytest.raises(PPOLMError, match="ignore-eos"):
         make_cfg(tiny_policy_dir, tmp_path / "run2", reward_file, ignore_eos=True, missing_eos_penalty=-1.0)
 
