@@ -748,7 +748,7 @@ class PPOTrainer:
             if self.value_bias is not None:  # value = head output + bias (the RM's normalisation, trained on)
                 import json
 
-                (tmp / "ppolm_value.json").write_text(json.dumps({"bias": float(self.value_bias)}, indent=2))
+                (tmp / "ppolm_value.json").write_text(json.dumps({"bias": float(self.value_bias.detach())}, indent=2))
 
     # ----------------------------------------------------------------------------------------
     def train(self) -> PPOResult:
