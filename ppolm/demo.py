@@ -224,8 +224,6 @@ class Demo:
         import torch
 
         from ppolm import models
-        from ppolm import rollout as ro
-        from ppolm.data import encode_prompt
         from ppolm.gold import gold_score
 
         s, cfg = self.sizes, self.cfg
@@ -235,18 +233,7 @@ class Demo:
         prompts = [json.loads(x)["prompt"] for x in (self.out / "prompts_train.jsonl").read_text().splitlines()]
         k = s.responses_per_prompt
         jobs = [p for p in prompts for _ in range(k)]  # K responses per prompt
-        texts: list[str] = []
-        bs = 32  # decoding is memory-bound on a CPU: 32 sequences cost little more than 8
-        t = time.perf_counter()
-        for i in range(0, len(jobs), bs):
-            ids = [encode_prompt(p, tok, True) for p in jobs[i:i + bs]]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-                roll = ro.generate(policy, ids, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
-                                   max_new_tokens=s.response_length, temperature=s.pair_temperature)
-            texts += tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)
-            done = min(i + bs, len(jobs))
-            el = time.perf_counter() - t
-            say(f"      sampled {done}/{len(jobs)} responses ({el:.0f}s, eta {el / done * (len(jobs) - done):.0f}s)")
+        texts = self.sample(policy, tok, jobs, s.pair_temperature, progress=True)
         # The labeller compares every two of a prompt's K responses (InstructGPT's rankings give C(K, 2)
         # comparisons); each label is a Bradley-Terry draw: P(a preferred) = sigmoid((gold_a - gold_b) / T).
         rng = random.Random(cfg.seed)
@@ -358,8 +345,6 @@ class Demo:
         from peft import PeftModel
 
         from ppolm import models
-        from ppolm import rollout as ro
-        from ppolm.data import encode_prompt
         from ppolm.gold import gold_score
 
         adapter = self.out / "best" / "policy_adapter"
@@ -373,20 +358,12 @@ class Demo:
                                            str(adapter)).eval()
         prompts = [json.loads(x)["prompt"] for x in (self.out / "prompts_eval.jsonl").read_text().splitlines()]
         jobs = [p for p in prompts for _ in range(s.confirm_samples)]
-        bs = 64
         scores: dict[str, list[float]] = {}
         t = time.perf_counter()
         for which in ("before", "best"):
             torch.manual_seed(cfg.seed + 2_000_029)  # the same fresh stream for both policies
-            texts: list[str] = []
-            ctx = policy.disable_adapter() if which == "before" else contextlib.nullcontext()
-            with ctx, torch.no_grad():
-                for i in range(0, len(jobs), bs):
-                    ids = [encode_prompt(p, tok, True) for p in jobs[i:i + bs]]
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-                        roll = ro.generate(policy, ids, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
-                                           max_new_tokens=s.response_length, temperature=temperature)
-                    texts += tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)
+            with policy.disable_adapter() if which == "before" else contextlib.nullcontext():
+                texts = self.sample(policy, tok, jobs, temperature)
             scores[which] = [gold_score(x) for x in texts]
             say(f"      {which}: {len(texts)} fresh responses scored ({time.perf_counter() - t:.0f}s)")
         k = s.confirm_samples
@@ -395,6 +372,29 @@ class Demo:
         self.state["confirm"] = {"before": mean_se(per_prompt["before"]), "best": mean_se(per_prompt["best"]),
                                  "gain": mean_se(diffs), "samples_per_prompt": k, "n_prompts": len(prompts),
                                  "temperature": temperature}
+
+    def sample(self, policy: Any, tok: Any, prompts: list[str], temperature: float, progress: bool = False
+               ) -> list[str]:
+        """One sampled response per prompt (chat template applied), in batches of 32: decoding is
+        memory-bound on a CPU, so 32 sequences cost little more than 8."""
+        import torch
+
+        from ppolm import rollout as ro
+        from ppolm.data import encode_prompt
+
+        texts: list[str] = []
+        bs, t = 32, time.perf_counter()
+        for i in range(0, len(prompts), bs):
+            ids = [encode_prompt(p, tok, True) for p in prompts[i:i + bs]]
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+                roll = ro.generate(policy, ids, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+                                   max_new_tokens=self.sizes.response_length, temperature=temperature)
+            texts += tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)
+            if progress:
+                done, el = min(i + bs, len(prompts)), time.perf_counter() - t
+                say(f"      sampled {done}/{len(prompts)} responses ({el:.0f}s, "
+                    f"eta {el / done * (len(prompts) - done):.0f}s)")
+        return texts
 
     def ppo_temperature(self) -> float:
         import yaml

@@ -282,25 +282,9 @@ class TrunkCache:
         distinct = {tuple(x) for x in seqs}
         return sum(len(x) if n else 1 for x in distinct) * width <= TrunkCache.BUDGET
 
-    @contextlib.contextmanager
-    def top_only(self) -> Any:
-        """The backbone with only its top n layers (the same modules) for the duration."""
-        cfg = self.backbone.config
-        saved = (self.backbone.layers, cfg.num_hidden_layers, getattr(cfg, "layer_types", None))
-        self.backbone.layers = torch.nn.ModuleList(list(self.layers)[self.split:])
-        cfg.num_hidden_layers = self.n
-        if isinstance(saved[2], list):
-            cfg.layer_types = saved[2][self.split:]
-        try:
-            yield self.backbone
-        finally:
-            self.backbone.layers, cfg.num_hidden_layers = saved[0], saved[1]
-            if isinstance(saved[2], list):
-                cfg.layer_types = saved[2]
-
     def scores(self, seqs: list[list[int]]) -> torch.Tensor:
         """Raw head output at the last token of each sequence: (N,) float32, with grad."""
-        from ppolm.models import position_ids_from_mask
+        from ppolm import trunk
 
         hs = [self.hidden[tuple(x)] for x in seqs]
         head = self.model.score
@@ -312,9 +296,8 @@ class TrunkCache:
         mask = torch.zeros((len(hs), width), dtype=torch.long, device=self.device)
         for i, x in enumerate(hs):
             h[i, width - len(x):], mask[i, width - len(x):] = x, 1
-        with common.autocast(self.device, self.precision), self.top_only() as top:
-            out = top(inputs_embeds=h.to(head.weight.dtype), attention_mask=mask,
-                      position_ids=position_ids_from_mask(mask), use_cache=False).last_hidden_state
+        with common.autocast(self.device, self.precision):
+            out = trunk.run_from(self.model, self.split, h.to(head.weight.dtype), mask)
             return head(out[:, -1]).squeeze(-1).float()
 
 
@@ -430,11 +413,7 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         with torch.no_grad():
             raw = torch.cat([scores([list(x) for x in texts[i:i + 2 * cfg.batch_size]]).float().cpu()
                              for i in range(0, len(texts), 2 * cfg.batch_size)])
-        mean, std = float(raw.mean()), float(raw.std(unbiased=False))
-        if not (math.isfinite(mean) and std > 1e-8):
-            raise PPOLMError(f"the reward model gives (nearly) the same score to all {len(texts)} responses of the "
-                             f"pairs (std {std:.2g}); train it longer or pass --no-normalize")
-        gain, bias = 1.0 / std, -mean / std
+        gain, bias, mean, std = fit_norm(raw, f"{len(texts)} responses of the pairs")
         write_norm(out, gain, bias, raw_mean=mean, raw_std=std, n_samples=len(texts), source="pairs")
         rows[-1].update(norm_gain=gain, norm_bias=bias)
     elif cfg.normalize:
@@ -485,6 +464,15 @@ def reference_scores(rm: Any, policy: str, prompts: str | list[Any] | None, n_sa
     return torch.cat(out).float()
 
 
+def fit_norm(raw: torch.Tensor, what: str) -> tuple[float, float, float, float]:
+    """(gain, bias, mean, std) with gain * raw + bias of mean 0 and std 1 over ``raw``."""
+    mean, std = float(raw.mean()), float(raw.std(unbiased=False))
+    if not (math.isfinite(mean) and std > 1e-8):
+        raise PPOLMError(f"the reward model gives (nearly) the same score to all {what} (std {std:.2g}); "
+                         "train it longer or pass --no-normalize")
+    return 1.0 / std, -mean / std, mean, std
+
+
 def normalize_reward_model(rm_dir: str | Path, policy: str, prompts: str | list[Any] | None, n_samples: int, *,
                            response_length: int = 48, temperature: float = 0.7, seed: int = 0,
                            device: str = "auto", precision: str = "auto", chat_template: bool = True,
@@ -502,11 +490,7 @@ def normalize_reward_model(rm_dir: str | Path, policy: str, prompts: str | list[
     raw = reference_scores(rm, policy, prompts, n_samples, response_length=response_length,
                            temperature=temperature, seed=seed, precision=precision, chat_template=chat_template,
                            batch_size=batch_size)
-    mean, std = float(raw.mean()), float(raw.std(unbiased=False))
-    if not (math.isfinite(mean) and std > 1e-8):
-        raise PPOLMError(f"the reward model gives (nearly) the same score to all {n_samples} samples of {policy} "
-                         f"(std {std:.2g}); train it longer or pass --no-normalize")
-    gain, bias = 1.0 / std, -mean / std
+    gain, bias, mean, std = fit_norm(raw, f"{n_samples} samples of {policy}")
     write_norm(rm_dir, gain, bias, raw_mean=mean, raw_std=std, n_samples=n_samples, policy=str(policy),
                response_length=response_length, temperature=temperature, seed=seed)
     return gain, bias

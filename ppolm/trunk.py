@@ -145,12 +145,26 @@ class Recorder:
 def run_from(model: torch.nn.Module, start: int, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The backbone's last hidden state (after its final norm), running only layers ``start ..`` on
     ``hidden``, the state entering layer ``start``: (B, T, d). Grad flows if enabled."""
-    backbone, layers = critic.stack(model)  # type: ignore[misc]
+    backbone, _ = critic.stack(model)  # type: ignore[misc]
     pos = models.position_ids_from_mask(attention_mask)
-    whole = backbone._modules["layers"]
-    backbone._modules["layers"] = torch.nn.ModuleList(list(layers)[start:])
-    try:
+    with top_layers(backbone, start):
         return backbone(inputs_embeds=hidden, attention_mask=attention_mask, position_ids=pos,
                         use_cache=False).last_hidden_state
+
+
+@contextlib.contextmanager
+def top_layers(backbone: torch.nn.Module, start: int) -> Iterator[None]:
+    """For the duration, the backbone holds only its layers ``start ..`` (the same modules), with its
+    config's layer count and per-layer types to match."""
+    cfg = backbone.config
+    saved = (backbone._modules["layers"], cfg.num_hidden_layers, getattr(cfg, "layer_types", None))
+    backbone._modules["layers"] = torch.nn.ModuleList(list(saved[0])[start:])
+    cfg.num_hidden_layers = len(saved[0]) - start
+    if isinstance(saved[2], list):
+        cfg.layer_types = saved[2][start:]
+    try:
+        yield
     finally:
-        backbone._modules["layers"] = whole
+        backbone._modules["layers"], cfg.num_hidden_layers = saved[0], saved[1]
+        if isinstance(saved[2], list):
+            cfg.layer_types = saved[2]

@@ -39,3 +39,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def uneven_rollout(tok):
+    """Two left-padded prompts of different lengths, with right-padded responses of lengths 4 and 2
+    (shared by the critic and trunk tests)."""
+    from ppolm import rollout as ro
+
+    a = tok("Hello there, how are you today?", add_special_tokens=False)["input_ids"]
+    b = tok("Hi", add_special_tokens=False)["input_ids"]
+    query, qmask = ro.left_pad([a, b], tok.pad_token_id, "cpu")
+    resp = torch.tensor([[5, 6, 7, 2], [8, 2, 0, 0]])
+    rmask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    return ro.Rollout(query, qmask, resp, rmask, torch.tensor([True, True]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import uneven_rollout
 from safetensors.torch import load_file
 
 from ppolm import config, critic, models
@@ -25,14 +26,7 @@ def deep_dirs(tmp_path_factory):
             models.build_tiny_model_dir(root / "rm", kind="scalar", seed=1, num_layers=3))
 
 
-def batch(tok):
-    """Two left-padded prompts of different lengths, with right-padded responses."""
-    a = tok("Hello there, how are you today?", add_special_tokens=False)["input_ids"]
-    b = tok("Hi", add_special_tokens=False)["input_ids"]
-    query, qmask = ro.left_pad([a, b], tok.pad_token_id, "cpu")
-    resp = torch.tensor([[5, 6, 7, 2], [8, 2, 0, 0]])
-    rmask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-    return ro.Rollout(query, qmask, resp, rmask, torch.tensor([True, True]))
+batch = uneven_rollout
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import uneven_rollout
 
 from ppolm import config, critic, models, trunk
 from ppolm import rollout as ro
@@ -39,13 +40,7 @@ def dirs(tmp_path_factory):
     return out
 
 
-def batch(tok):
-    a = tok("Hello there, how are you today?", add_special_tokens=False)["input_ids"]
-    b = tok("Hi", add_special_tokens=False)["input_ids"]
-    query, qmask = ro.left_pad([a, b], tok.pad_token_id, "cpu")
-    resp = torch.tensor([[5, 6, 7, 2], [8, 2, 0, 0]])
-    rmask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-    return ro.Rollout(query, qmask, resp, rmask, torch.tensor([True, True]))
+batch = uneven_rollout
 
 
 @pytest.mark.parametrize(("name", "want"), [("rm0", 3), ("rm1", 2), ("rm2", 1), ("other", 0)])
