@@ -6,3 +6,7 @@ class PPOLMError(Exception):
 
     The CLI prints ``error: <message>`` to stderr and exits with code 2.
     """
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: learning rates above it overflow inside the optimiser, so configs reject them."""

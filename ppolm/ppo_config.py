@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ppolm.errors import PPOLMError
+from ppolm.errors import FLOAT32_MAX, PPOLMError
 
 
 @dataclass
@@ -215,6 +215,9 @@ class PPOConfig:
         need(a.vf_clip > 0, f"--vf-clip must be > 0; got {a.vf_clip}")
         need(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "--gamma and --lam must be in [0, 1]")
         need(a.actor_lr > 0 and a.critic_lr > 0, "--actor-lr and --critic-lr must be > 0")
+        for name, lr in (("actor-lr", a.actor_lr), ("critic-lr", a.critic_lr)):
+            need(lr <= FLOAT32_MAX, f"--{name} {lr:g} is too large for float32 (the optimiser's type); use a value "
+                 f"<= {FLOAT32_MAX:.3g} (typical: 1e-6 .. 1e-3)")
         need(a.adam_eps > 0 and a.max_grad_norm > 0, "--adam-eps and --max-grad-norm must be > 0")
         need(k.kl_coef >= 0, f"--kl-coef must be >= 0; got {k.kl_coef}")
         need(k.kl_target > 0 and k.kl_horizon > 0, "--kl-target and --kl-horizon must be > 0")

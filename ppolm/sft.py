@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ppolm import checkpoint
-from ppolm.errors import PPOLMError
+from ppolm.errors import FLOAT32_MAX, PPOLMError
 
 
 @dataclass
@@ -110,6 +110,8 @@ def check_common(cfg: Any) -> None:
     need(cfg.data is not None, "--data FILE is required: the training file (see `--help` for the columns)")
     need(cfg.epochs >= 1 and cfg.batch_size >= 1, "--epochs and --batch-size must be at least 1")
     need(cfg.lr > 0 and cfg.max_grad_norm > 0, "--lr and --max-grad-norm must be > 0")
+    need(cfg.lr <= FLOAT32_MAX, f"--lr {cfg.lr:g} is too large for float32 (the optimiser's type); use a value "
+         f"<= {FLOAT32_MAX:.3g} (typical: 1e-6 .. 1e-3)")
     need(0 <= cfg.eval_fraction < 1, f"--eval-fraction must be in [0, 1); got {cfg.eval_fraction}")
     need(cfg.max_length >= 8, f"--max-length must be at least 8; got {cfg.max_length}")
     need(cfg.lora_r >= 0, f"--lora-r must be >= 0; got {cfg.lora_r}")
