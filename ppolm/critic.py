@@ -53,8 +53,12 @@ class Tap:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
+        from ppolm import prefix
+
         def hook(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            self.hidden = args[0].detach()
+            h = prefix.captured(id(self), args[0].detach())
+            if h is not None:
+                self.hidden = h
 
         handle = self.layer.register_forward_pre_hook(hook)
         try:

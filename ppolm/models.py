@@ -418,16 +418,21 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def scalar_forward(model, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
-    """The scalar head's output at every position, shape (B, T), float32 (also for peft-wrapped models)."""
+def scalar_forward(model, input_ids, attention_mask, position_ids=None, split=None) -> torch.Tensor:
+    """The scalar head's output at every position, shape (B, T), float32 (also for peft-wrapped models).
+    ``split``: the rows' common beginning, run once (ppolm/prefix.py)."""
+    from ppolm import prefix
+
     inner = _unwrap(model)
-    if position_ids is None:
-        position_ids = position_ids_from_mask(attention_mask)
     backbone = getattr(inner, inner.base_model_prefix)
-    out = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    )
-    return inner.score(out.last_hidden_state).squeeze(-1).float()
+    if split is not None and position_ids is None and prefix.usable(model):
+        hidden = prefix.forward(backbone, input_ids, attention_mask, split)
+    else:
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+    return inner.score(hidden).squeeze(-1).float()
 
 
 def save_pretrained(model, tokenizer, path) -> None:

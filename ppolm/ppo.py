@@ -369,7 +369,7 @@ class PPOTrainer:
                     k = self.rm_start[i]
                     if found and k in found:
                         return rm.score_ids(roll.input_ids, roll.attention_mask, k, found[k])
-                    return rm.score_ids(roll.input_ids, roll.attention_mask)
+                    return rm.score_ids(roll.input_ids, roll.attention_mask, split=roll.split)
                 full = self.tokenizer.batch_decode(
                     [row[mask.bool()] for row, mask in zip(roll.input_ids, roll.attention_mask)])
                 return rm.score_texts(full)
@@ -388,7 +388,7 @@ class PPOTrainer:
 
         with self.tap.capture(), self.autocast():
             if self.critic_source[1] == "keep":
-                scalar_forward(self.rewarder.models[0].model, roll.input_ids, roll.attention_mask)
+                scalar_forward(self.rewarder.models[0].model, roll.input_ids, roll.attention_mask, split=roll.split)
             else:
                 self.reference_logprobs(roll)
         return self.tap.hidden
@@ -432,6 +432,8 @@ class PPOTrainer:
             roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
                                max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
                                top_k=g.top_k, ignore_eos=g.ignore_eos)
+        if cfg.model.share_prefix:
+            roll.share_prefix()  # the prompts' common beginning runs once per pass (ppolm/prefix.py)
         self.policy.train()
         mask = roll.response_mask.float()  # (B, R)
         _trim()
@@ -620,6 +622,8 @@ class PPOTrainer:
                     roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
                                        max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
                                        top_k=g.top_k, ignore_eos=g.ignore_eos)
+                if cfg.model.share_prefix:
+                    roll.share_prefix()
                 ref, found = self.reference_pass(roll)
                 with self.autocast():
                     k = self.policy_start

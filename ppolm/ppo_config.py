@@ -24,6 +24,8 @@ class ModelConfig:
     """Train only the separate critic's top N layers (and its head). Its lower layers stay frozen and are shared with the frozen model it starts from (reward model or reference): no extra memory, no extra forward pass. 0 = train every layer of a full copy (as TRL)."""
     share_trunk: bool = True
     """Store and run once the frozen layers that the reference has in common with a reward model (one trained from the same base with `ppolm reward --train-layers N`) or with a LoRA policy's adapter-free lower layers; found by comparing weights, results unchanged (ppolm/trunk.py). false = run every model in full."""
+    share_prefix: bool = True
+    """Run the prompts' common beginning (a chat template's system prompt, a shared instruction) once per forward pass, at batch size 1, the rest of each row attending to it through the key/value cache; results unchanged up to float rounding (ppolm/prefix.py). false = every row in full."""
     lora_r: int = 0
     """LoRA rank for the policy (peft); 0 = full fine-tuning. With LoRA the reference is the policy with its adapter disabled (no second copy)."""
     lora_alpha: float = 32.0

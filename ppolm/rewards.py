@@ -129,14 +129,15 @@ class RewardModel:
 
     @torch.no_grad()
     def score_ids(self, ids: torch.Tensor, mask: torch.Tensor, start: int = 0,
-                  hidden: torch.Tensor | None = None) -> torch.Tensor:
+                  hidden: torch.Tensor | None = None, split: Any = None) -> torch.Tensor:
         """Normalised score at the last real token of each left-/right-padded row. ids, mask: (B, T).
         With ``hidden`` (B, T, d), the state entering layer ``start`` that this model shares with the
-        reference (ppolm/trunk.py), only layers ``start ..`` run."""
+        reference (ppolm/trunk.py), only layers ``start ..`` run. ``split``: the rows' common beginning,
+        run once (ppolm/prefix.py)."""
         from ppolm import models, trunk
 
         if hidden is None:
-            values = models.scalar_forward(self.model, ids, mask)  # (B, T)
+            values = models.scalar_forward(self.model, ids, mask, split=split)  # (B, T)
         else:
             last_hidden = trunk.run_from(self.model, start, hidden, mask)
             values = models._unwrap(self.model).score(last_hidden).squeeze(-1).float()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ppolm import core
+from ppolm.prefix import PrefixSplit
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Rollout:
     """(B, R) 1 on real response tokens, the EOS included."""
     ended: torch.Tensor
     """(B,) bool: the response emitted EOS within R tokens."""
+    split: PrefixSplit | None = None
+    """The prompts' common beginning, run once per forward pass (ppolm/prefix.py); None: plain passes."""
 
     @property
     def input_ids(self) -> torch.Tensor:  # (B, P + R)
@@ -45,7 +48,14 @@ class Rollout:
 
     def select(self, idx: torch.Tensor) -> Rollout:
         return Rollout(self.query[idx], self.query_mask[idx], self.response[idx], self.response_mask[idx],
-                       self.ended[idx])
+                       self.ended[idx], None if self.split is None else self.split.select(idx))
+
+    def share_prefix(self) -> Rollout:
+        """Find the common beginning of the prompts, for the forward passes over this rollout."""
+        from ppolm import prefix
+
+        self.split = prefix.find(self.query, self.query_mask, self.query.shape[1] + self.response.shape[1])
+        return self
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,13 +160,18 @@ def response_hidden(model: torch.nn.Module, roll: Rollout, start: int = 0,
     Position P - 1 + t predicts response token t, so only R of the P + R positions are kept
     before the LM head (no logits for prompt tokens: less time and memory). With ``entering``
     (B, P + R, d), the hidden state entering layer ``start`` recorded by the reference pass
-    (ppolm/trunk.py), only layers ``start ..`` run.
+    (ppolm/trunk.py), only layers ``start ..`` run. With ``roll.split``, the prompts' common
+    beginning runs once (ppolm/prefix.py).
     """
+    from ppolm import prefix
+
     ids, mask = roll.input_ids, roll.attention_mask
     if entering is not None:
         from ppolm import trunk
 
         hidden = trunk.run_from(model, start, entering, mask)
+    elif roll.split is not None and prefix.usable(model):
+        hidden = prefix.forward(backbone(model), ids, mask, roll.split)
     else:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=pos,
@@ -204,7 +219,7 @@ def values(critic: torch.nn.Module, roll: Rollout) -> torch.Tensor:
     """Critic values V(s_t) at the state before each response token: (B, R), float32."""
     from ppolm.models import scalar_forward
 
-    v = scalar_forward(critic, roll.input_ids, roll.attention_mask)  # (B, P + R)
+    v = scalar_forward(critic, roll.input_ids, roll.attention_mask, split=roll.split)  # (B, P + R)
     p, r = roll.query.shape[1], roll.response.shape[1]
     return v[:, p - 1:p - 1 + r].float()
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ppolm import critic, models
+from ppolm import critic, models, prefix
 
 # backbones whose forward feeds inputs_embeds to the first layer as they are (Gemma, for one,
 # scales them by sqrt(d) first, so a hidden state cannot be injected there)
@@ -132,7 +132,9 @@ class Recorder:
             mod = self.layers[k] if k < len(self.layers) else self.backbone.norm
 
             def hook(_m: torch.nn.Module, args: tuple[Any, ...], k: int = k) -> None:
-                found[k] = args[0].detach()
+                h = prefix.captured(id(found) + k, args[0].detach())
+                if h is not None:
+                    found[k] = h
 
             handles.append(mod.register_forward_pre_hook(hook))
         try:
