@@ -218,6 +218,7 @@ class PPOTrainer:
         #    trained on the frozen trunk they share with that model (ppolm/critic.py); or a value
         #    head on the policy's trunk
         self.critic, self.value_head, self.tap = None, None, None
+        self.critic_from_rm = False
         self.value_bias: torch.nn.Parameter | None = None  # the critic's share of the RM normalisation
         if m.critic == "shared":
             d = self.policy.config.hidden_size
@@ -232,7 +233,9 @@ class PPOTrainer:
                 print(f"the reward model {rms[0].name} has its own tokenizer: the critic starts from the policy",
                       file=sys.stderr)
                 from_rm = False
-            self.critic_source = (rms[0].dir if from_rm else model_dir, "keep" if from_rm else "value")
+            self.critic_from_rm = from_rm
+            head = "keep" if from_rm and not m.critic_zero_head else "value"  # "value": a zero head
+            self.critic_source = (rms[0].dir if from_rm else model_dir, head)
             load = dict(dtype=torch.float32, device=self.device, trust_remote_code=m.trust_remote_code,
                         allow_pickle=m.allow_pickle)
             frozen = rms[0].model if from_rm else (self.reference if self.reference is not None else self.policy)
@@ -244,7 +247,7 @@ class PPOTrainer:
                 self.critic = models.load_scalar_model(self.critic_source[0], head_init=self.critic_source[1],
                                                        **load)
             self.critic.train()
-            if from_rm:
+            if from_rm and not m.critic_zero_head:
                 # The RM scores through its normalisation (gain, bias); so does the critic at the start, so
                 # its first values are on the scale of the returns (else explained variance starts << 0).
                 head = models._unwrap(self.critic.model if self.tap is not None else self.critic).score
@@ -267,7 +270,7 @@ class PPOTrainer:
                     self.rm_start[i] = k
             if self.reference is None:
                 self.policy_start = trunk_lib.policy_prefix(self.policy)
-            if self.tap is not None and self.critic_source[1] == "keep":
+            if self.tap is not None and self.critic_from_rm:
                 # the critic's trunk enters a layer the reward model now shares: tap the reference's
                 j = self.critic.total_layers - self.critic.n
                 if j < self.rm_start[0]:
@@ -387,7 +390,7 @@ class PPOTrainer:
         from ppolm.models import scalar_forward
 
         with self.tap.capture(), self.autocast():
-            if self.critic_source[1] == "keep":
+            if self.critic_from_rm:
                 scalar_forward(self.rewarder.models[0].model, roll.input_ids, roll.attention_mask, split=roll.split)
             else:
                 self.reference_logprobs(roll)

@@ -20,6 +20,8 @@ class ModelConfig:
     """Value model: a separate model (OpenRLHF, TRL), or a value head on the policy's own trunk (OpenAI's original; saves memory)."""
     critic_init: Literal["reward", "policy"] = "reward"
     """Initialise a separate critic from the (first) reward model (Huang et al. 2024) or from the policy. Falls back to the policy when only reward functions are given."""
+    critic_zero_head: bool = False
+    """Start the separate critic's value head at zero, whatever it is initialised from: its first values are 0, so the first advantages are the whitened returns. (A head kept from a reward model scores partial responses far from their returns at first: value explained variance -10 .. -2 on the demo, whose PPO then gained no gold reward in 8 steps; with a zero head it gained +0.29 ± 0.05.)"""
     critic_layers: int = 4
     """Train only the separate critic's top N layers (and its head). Its lower layers stay frozen and are shared with the frozen model it starts from (reward model or reference): no extra memory, no extra forward pass. 0 = train every layer of a full copy (as TRL)."""
     share_trunk: bool = True

@@ -187,3 +187,22 @@ def test_saved_critic_keeps_the_value_bias(deep_dirs, tmp_path):
     train_ppo(cfg_for(policy, out, reward_model=[str(rm_norm)], steps=1))
     saved = json.loads((out / "critic" / "ppolm_value.json").read_text())["bias"]
     assert saved != 0.25 and abs(saved - 0.25) < 0.1  # trained with the critic, from the RM's bias
+
+
+@pytest.mark.parametrize("critic_layers", [1, 0])
+def test_zero_head_critic_keeps_the_reward_models_layers(deep_dirs, tmp_path, critic_layers):
+    """--critic-zero-head: the critic's layers are the RM's, its head is zero and it has no bias, so its
+    first values are all 0 (explained variance exactly 0 on the first step), and it still learns."""
+    policy, rm_dir = deep_dirs
+    trainer = PPOTrainer(cfg_for(policy, tmp_path / "run", reward_model=[str(rm_dir)], critic_layers=critic_layers,
+                                 critic_zero_head=True))
+    assert trainer.critic_from_rm and trainer.value_bias is None
+    inner = models._unwrap(trainer.critic.model if trainer.tap is not None else trainer.critic)
+    assert torch.count_nonzero(inner.score.weight) == 0
+    rm = models.load_scalar_model(rm_dir, head_init="keep")
+    top_rm = critic.stack(rm)[1][-1].mlp.up_proj.weight
+    top_critic = critic.stack(trainer.critic.model if trainer.tap is not None else trainer.critic)[1][-1].mlp.up_proj.weight
+    assert torch.equal(top_critic, top_rm)  # initialised from the reward model
+    m0, _ = trainer.step(0)
+    assert m0["val/vf_explained_var"] == pytest.approx(0.0, abs=1e-6)
+    assert torch.count_nonzero(inner.score.weight) > 0  # the head trained
