@@ -434,7 +434,7 @@ class PPOTrainer:
         with self.autocast():
             roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
                                max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
-                               top_k=g.top_k, ignore_eos=g.ignore_eos)
+                               top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
         if cfg.model.share_prefix:
             roll.share_prefix()  # the prompts' common beginning runs once per pass (ppolm/prefix.py)
         self.policy.train()
@@ -624,7 +624,7 @@ class PPOTrainer:
                 with self.autocast():
                     roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
                                        max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
-                                       top_k=g.top_k, ignore_eos=g.ignore_eos)
+                                       top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
                 if cfg.model.share_prefix:
                     roll.share_prefix()
                 ref, found = self.reference_pass(roll)

@@ -125,11 +125,12 @@ def small_batch_linears(model: torch.nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def generate(policy: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, eos_id: int, max_new_tokens: int,
-             temperature: float, top_p: float = 1.0, top_k: int = 0, ignore_eos: bool = False) -> Rollout:
+             temperature: float, top_p: float = 1.0, top_k: int = 0, ignore_eos: bool = False,
+             share_prefix: bool = True) -> Rollout:
     """Sample one response per prompt with the KV cache, then mask after EOS.
 
     ppolm's own decode loop over the model's forward (any Hugging Face causal LM that returns a
-    cache): the prompts' common beginning is prefilled once (ppolm/prefix.py), and each token is
+    cache): the prompts' common beginning is prefilled once (ppolm/prefix.py; ``share_prefix``), and each token is
     drawn by inverting the CDF with one uniform number per row (``torch.multinomial`` costs ~10 ms
     per step on a 49k vocabulary on a CPU). Top-k and top-p filter as Hugging Face's warpers do.
     Stops when every row has emitted EOS. With ``ignore_eos`` EOS is never drawn and every response
@@ -140,7 +141,8 @@ def generate(policy: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, 
     query, query_mask = left_pad(prompts, pad_id, device)
     with small_batch_linears(policy):
         response = _decode(policy, query, query_mask, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos)
+                           temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
+                           share_prefix=share_prefix)
     if ignore_eos:
         mask = torch.ones_like(response)
         ended = torch.zeros(response.shape[0], dtype=torch.bool, device=device)
@@ -150,12 +152,13 @@ def generate(policy: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, 
 
 
 def _decode(policy: torch.nn.Module, query: torch.Tensor, query_mask: torch.Tensor, *, eos_id: int, pad_id: int,
-            max_new_tokens: int, temperature: float, top_p: float, top_k: int, ignore_eos: bool) -> torch.Tensor:
+            max_new_tokens: int, temperature: float, top_p: float, top_k: int, ignore_eos: bool,
+            share_prefix: bool = True) -> torch.Tensor:
     """(B, N) sampled ids, N <= max_new_tokens; PAD after a row's EOS."""
     from ppolm import prefix
 
     b = query.shape[0]
-    split = prefix.find(query, query_mask, query.shape[1]) if prefix.usable(policy) else None
+    split = prefix.find(query, query_mask, query.shape[1]) if share_prefix and prefix.usable(policy) else None
     if split is not None:  # prefill the common beginning once, then each row's own prompt tokens
         c = split.length
         shared = policy(input_ids=query[:1].gather(1, split.perm[:1, :c]), use_cache=True, logits_to_keep=1)
