@@ -54,7 +54,7 @@ class DemoConfig:
     model: str = "smollm2-135m-instruct"
     """Starting policy (and the reward model's backbone)."""
     steps: int | None = None
-    """PPO steps (default: 14, quick: 3)."""
+    """PPO steps (default: 8, quick: 3)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 on a GPU or a CPU with native bf16 (AMX/AVX512-BF16), else fp32 (emulated bf16 is slower)."""
     quiet: bool = False
