@@ -85,30 +85,38 @@ def find(query: torch.Tensor, query_mask: torch.Tensor, width: int) -> PrefixSpl
     return PrefixSplit(c, perm, inv)
 
 
-def forward(backbone: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, split: PrefixSplit) -> torch.Tensor:
-    """The backbone's last hidden state (B, T, d) in the layout of ``ids``, its shared beginning run
-    once (batch 1) and the rest of every row attending to it through the key/value cache."""
+def run(module: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, split: PrefixSplit,
+        **kwargs: object) -> tuple[object, object, torch.Tensor, torch.Tensor]:
+    """The two passes of ``module`` (a backbone, or a causal LM for sampling's prefill) over ``ids``
+    (B, T): the shared beginning once (batch 1), then every row's rest attending to it through the
+    key/value cache. Returns both outputs and the attention mask and position ids of the
+    [shared | rest] layout (B, T), which a decode loop continues from."""
     c = split.length
     b = ids.shape[0]
-    shared_ids = ids[:1].gather(1, split.perm[:1, :c])
-    rest_ids = ids.gather(1, split.perm[:, c:])
     rest_mask = mask.gather(1, split.perm[:, c:])
     full_mask = torch.cat([torch.ones(b, c, dtype=mask.dtype, device=mask.device), rest_mask], dim=1)
     pos = (full_mask.long().cumsum(-1) - 1).clamp(min=0)
     token = _ACTIVE.set(split)
     try:
         split.stage = "shared"
-        first = backbone(input_ids=shared_ids, position_ids=pos[:1, :c], use_cache=True)
-        cache = first.cache
-        cache.batch_repeat_interleave(b)
+        first = module(input_ids=ids[:1].gather(1, split.perm[:1, :c]), position_ids=pos[:1, :c], use_cache=True,
+                       **kwargs)
+        first.cache.batch_repeat_interleave(b)
         split.stage = "rest"
-        out = backbone(input_ids=rest_ids, attention_mask=full_mask, position_ids=pos[:, c:], cache=cache,
-                       use_cache=True)
+        out = module(input_ids=ids.gather(1, split.perm[:, c:]), attention_mask=full_mask, position_ids=pos[:, c:],
+                     cache=first.cache, use_cache=True, **kwargs)
     finally:
         split.stage = "off"
         split.pending.clear()
         _ACTIVE.reset(token)
-    return split.stitch(first.last_hidden_state, out.last_hidden_state)
+    return first, out, full_mask, pos
+
+
+def forward(backbone: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, split: PrefixSplit) -> torch.Tensor:
+    """The backbone's last hidden state (B, T, d) in the layout of ``ids``, its shared beginning run
+    once (batch 1) and the rest of every row attending to it through the key/value cache."""
+    first, out, _, _ = run(backbone, ids, mask, split)
+    return split.stitch(first.last_hidden_state, out.last_hidden_state)  # type: ignore[attr-defined]
 
 
 def captured(key: int, x: torch.Tensor) -> torch.Tensor | None:

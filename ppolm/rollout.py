@@ -160,15 +160,7 @@ def _decode(policy: torch.nn.Module, query: torch.Tensor, query_mask: torch.Tens
     b = query.shape[0]
     split = prefix.find(query, query_mask, query.shape[1]) if share_prefix and prefix.usable(policy) else None
     if split is not None:  # prefill the common beginning once, then each row's own prompt tokens
-        c = split.length
-        shared = policy(input_ids=query[:1].gather(1, split.perm[:1, :c]), use_cache=True, logits_to_keep=1)
-        cache = shared.cache
-        cache.batch_repeat_interleave(b)
-        rest_mask = query_mask.gather(1, split.perm[:, c:])
-        mask = torch.cat([torch.ones(b, c, dtype=query_mask.dtype, device=query.device), rest_mask], dim=1)
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = policy(input_ids=query.gather(1, split.perm[:, c:]), attention_mask=mask, position_ids=pos[:, c:],
-                     cache=cache, use_cache=True, logits_to_keep=1)
+        _, out, mask, pos = prefix.run(policy, query, query_mask, split, logits_to_keep=1)
     else:
         mask = query_mask
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
