@@ -256,6 +256,31 @@ def pairwise_loss(
     return -F.logsigmoid(diff).mean()
 
 
+def grouped_pairwise_loss(
+    scores: torch.Tensor,
+    chosen_idx: torch.Tensor,
+    rejected_idx: torch.Tensor,
+    group: torch.Tensor,
+    margin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bradley-Terry loss with each prompt's comparisons as one item: mean over groups of the mean of
+    -log sigmoid(s[c] - s[r] - margin) over that group's pairs.
+
+    scores: (N,) one score per distinct response; chosen_idx, rejected_idx, group: (P,) long, pair p
+    compares scores[chosen_idx[p]] with scores[rejected_idx[p]] and belongs to group[p] (0..G-1, every
+    group used); margin: (P,) or None. With K ranked responses per prompt each response is scored once
+    and its C(K, 2) comparisons weigh as one item, so a response is not fitted K - 1 times per epoch.
+    Source: Ouyang et al. 2022 (InstructGPT), section 3.5, the reward-model loss over C(K, 2) pairs.
+    """
+    diff = scores.float()[chosen_idx] - scores.float()[rejected_idx]
+    if margin is not None:
+        diff = diff - margin.float()
+    n_groups = int(group.max()) + 1
+    size = torch.zeros(n_groups, dtype=torch.float32, device=diff.device)
+    size.index_add_(0, group, torch.ones_like(diff))
+    return (-F.logsigmoid(diff) / size[group]).sum() / n_groups
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 - Var(R - v) / Var(R) over the real tokens (biased masked variances); (B, T) -> float.
 
@@ -315,6 +340,6 @@ class FixedKLController:
 
 __all__ = [
     "KL_KINDS", "AdaptiveKLController", "FixedKLController", "entropy_from_logits", "explained_variance",
-    "gae", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean", "masked_sum",
-    "masked_var", "masked_whiten", "pairwise_loss", "policy_loss", "shape_rewards", "value_loss",
+    "gae", "grouped_pairwise_loss", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean",
+    "masked_sum", "masked_var", "masked_whiten", "pairwise_loss", "policy_loss", "shape_rewards", "value_loss",
 ]

@@ -64,6 +64,8 @@ class RewardTrainConfig:
     """Weight of the centring term mean((r_c + r_r)^2), which keeps raw rewards near zero (e.g. 0.01)."""
     train_layers: int = 2
     """Train the scalar head, the final norm and the top N transformer layers; the rest stays frozen (fast on a CPU). -1 = all."""
+    group_by_prompt: bool = False
+    """Train on each prompt's comparisons as one item (InstructGPT): every distinct response in a step is scored once and a prompt's C(K, 2) pairs weigh as one item in the loss (the mean of their Bradley-Terry terms); --batch-size then counts prompts. With K ranked responses per prompt this is about K/2 times less work per epoch and does not fit a response K - 1 times per epoch (which overfits). Pairs with unique prompts train as before."""
     trunk_cache: bool = True
     """With --train-layers N (no LoRA), run the frozen lower layers once per distinct text and train the top N on their cached output: epochs after the first, and texts shared by several pairs (K-way rankings), cost only the top layers. Off: recompute every step. Skipped when the cache would exceed 1 GiB."""
     lora_r: int = 0
@@ -196,6 +198,12 @@ def encode_pairs(pairs: list[Pair], tok: Any, chat_template: bool, max_length: i
     return out
 
 
+def group_keys(pairs: list[Pair]) -> list[int]:
+    """Group number of each pair: pairs with the same prompt (text or chat list) share one."""
+    ids: dict[str, int] = {}
+    return [ids.setdefault(json.dumps(p.prompt, sort_keys=True), len(ids)) for p in pairs]
+
+
 def score_seqs(model: Any, seqs: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
     """Raw head output at the last token of each (left-padded) sequence: (N,) float32."""
     from ppolm.models import scalar_forward
@@ -322,11 +330,14 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     pairs = load_pairs(cfg.data, cfg.margin_column)  # type: ignore[arg-type]
     train = encode_pairs(pairs, tok, cfg.chat_template, cfg.max_length, cfg.data)  # type: ignore[arg-type]
+    keys = group_keys(pairs)
     if cfg.eval_data:
         held = encode_pairs(load_pairs(cfg.eval_data, cfg.margin_column), tok, cfg.chat_template, cfg.max_length,
                             cfg.eval_data)
     else:
-        train, held = common.split_rows(train, cfg.eval_fraction, cfg.seed)
+        both, held_both = common.split_rows(list(zip(train, keys)), cfg.eval_fraction, cfg.seed)
+        train, keys = [x for x, _ in both], [k for _, k in both]
+        held = [x for x, _ in held_both]
     if not train:
         raise PPOLMError(f"{cfg.data} leaves no training pairs after the held-out split; add rows or lower "
                          "--eval-fraction")
@@ -342,7 +353,12 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         common.write_config(cfg, out / "reward_config.yaml")
     except OSError as e:
         raise checkpoint.disk_error(e, out) from None
-    steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
+    # training items: pairs, or with --group-by-prompt each prompt's pairs (in order of first appearance)
+    groups: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    items = list(groups.values()) if cfg.group_by_prompt else [[i] for i in range(len(train))]
+    steps_per_epoch = math.ceil(len(items) / cfg.batch_size)
     opt, sched = common.make_optimizer(params, cfg, steps_per_epoch * cfg.epochs)
     pad = tok.pad_token_id
     cache = None
@@ -373,19 +389,38 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         return row
 
     def step_fn(idx: list[int]) -> tuple[torch.Tensor, int, dict[str, int]]:
-        batch = [train[j] for j in idx]
-        s = scores([c for c, _, _ in batch] + [r for _, r, _ in batch])
-        rc, rr = s[:len(batch)], s[len(batch):]
-        loss = core.pairwise_loss(rc, rr, torch.tensor([m for _, _, m in batch], device=device))
+        if not cfg.group_by_prompt:
+            batch = [train[j] for j in idx]
+            s = scores([c for c, _, _ in batch] + [r for _, r, _ in batch])
+            rc, rr = s[:len(batch)], s[len(batch):]
+            loss = core.pairwise_loss(rc, rr, torch.tensor([m for _, _, m in batch], device=device))
+            if cfg.center_coef:
+                loss = loss + cfg.center_coef * ((rc + rr) ** 2).mean()
+            return loss, 1, {"tokens": sum(len(c) + len(r) for c, r, _ in batch), "correct": int((rc > rr).sum())}
+        # each distinct response of the batch's prompts scored once; a prompt's pairs weigh as one item
+        seq_index: dict[tuple[int, ...], int] = {}
+        ci, ri, gi, margins = [], [], [], []
+        for g, item in enumerate(idx):
+            for j in items[item]:
+                c, r, m = train[j]
+                ci.append(seq_index.setdefault(tuple(c), len(seq_index)))
+                ri.append(seq_index.setdefault(tuple(r), len(seq_index)))
+                gi.append(g)
+                margins.append(m)
+        s = scores([list(x) for x in seq_index])
+        as_long = dict(dtype=torch.long, device=s.device)
+        c_t, r_t = torch.tensor(ci, **as_long), torch.tensor(ri, **as_long)
+        loss = core.grouped_pairwise_loss(s, c_t, r_t, torch.tensor(gi, **as_long),
+                                          torch.tensor(margins, device=s.device))
         if cfg.center_coef:
-            loss = loss + cfg.center_coef * ((rc + rr) ** 2).mean()
-        return loss, 1, {"tokens": sum(len(c) + len(r) for c, r, _ in batch), "correct": int((rc > rr).sum())}
+            loss = loss + cfg.center_coef * ((s[c_t] + s[r_t]) ** 2).mean()
+        return loss, 1, {"tokens": sum(len(x) for x in seq_index), "correct": int((s[c_t] > s[r_t]).sum())}
 
     def epoch_row(epoch: int, acc: dict[str, Any]) -> dict[str, Any]:
         return held_out({"epoch": epoch, "train_loss": acc["loss_sum"] / acc["loss_n"] if acc["loss_n"] else None,
                          "train_accuracy": acc.get("correct", 0) / len(train)})
 
-    loop = common.TrainLoop(cfg, out, model, opt, sched, len(train), "reward", step_fn, epoch_row,
+    loop = common.TrainLoop(cfg, out, model, opt, sched, len(items), "reward", step_fn, epoch_row,
                             lambda: held_out({"epoch": 0}) if held else None)
     if not loop.run():
         return loop.rows, False

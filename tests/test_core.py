@@ -15,6 +15,7 @@ from ppolm.core import (
     entropy_from_logits,
     explained_variance,
     gae,
+    grouped_pairwise_loss,
     kl_penalty,
     last_token_index,
     logprobs_from_logits,
@@ -286,6 +287,27 @@ def test_pairwise_loss() -> None:
     # stable for large gaps: -log sigmoid(1000) = 0, -log sigmoid(-1000) = 1000
     close(pairwise_loss(torch.tensor([1000.0]), torch.tensor([0.0])), 0.0)
     close(pairwise_loss(torch.tensor([0.0]), torch.tensor([1000.0])), 1000.0)
+
+
+def test_grouped_pairwise_loss_weighs_each_prompt_as_one_item() -> None:
+    # scores of 3 distinct responses; pairs (0 > 1) and (0 > 2) of prompt 0, (2 > 1) of prompt 1
+    scores = torch.tensor([2.0, 0.0, 1.0])
+    c, r, g = torch.tensor([0, 0, 2]), torch.tensor([1, 2, 1]), torch.tensor([0, 0, 1])
+    # diffs 2, 1, 1: -log sigmoid(2) = 0.1269280, -log sigmoid(1) = log(1 + e^-1) = 0.3132617
+    # prompt 0: (0.1269280 + 0.3132617) / 2 = 0.2200949; prompt 1: 0.3132617; mean 0.2666783
+    close(grouped_pairwise_loss(scores, c, r, g), 0.2666783)
+    # margins [0, 1, 0]: diffs 2, 0, 1 -> prompt 0: (0.1269280 + 0.6931472) / 2 = 0.4100376;
+    # mean with prompt 1: (0.4100376 + 0.3132617) / 2 = 0.3616497
+    close(grouped_pairwise_loss(scores, c, r, g, torch.tensor([0.0, 1.0, 0.0])), 0.3616497)
+    # one pair per group: the plain pairwise loss
+    s = torch.tensor([0.5, -0.2, 1.5, 0.1])
+    close(grouped_pairwise_loss(s, torch.tensor([0, 2]), torch.tensor([1, 3]), torch.tensor([0, 1])),
+          pairwise_loss(torch.tensor([0.5, 1.5]), torch.tensor([-0.2, 0.1])))
+    # the gradient reaches each score once per use: d/ds0 = -(sigmoid(-2) + sigmoid(-1)) / 2 / 2
+    s = scores.clone().requires_grad_(True)
+    grouped_pairwise_loss(s, c, r, g).backward()
+    sig = torch.sigmoid
+    close(s.grad[0], -(sig(torch.tensor(-2.0)) + sig(torch.tensor(-1.0))) / 4)
 
 
 # ----------------------------------------------------------------------------- KL controllers

@@ -276,3 +276,51 @@ def test_normalise_on_the_pairs_and_write_held_out_scores(tiny_policy_dir, train
     ids, mask = left_pad([c, r], tok.pad_token_id, "cpu")
     raw = (rm.score_ids(ids, mask) - rm.bias) / rm.gain
     assert raw.tolist() == pytest.approx([scored[0]["score_chosen"], scored[0]["score_rejected"]], abs=1e-4)
+
+
+def ranked_pairs(n_prompts, seed):
+    """K = 3 responses per prompt, the one with the marker ranked first: its 2 pairs, plus one
+    between the other two (chosen at random, so that pair carries no signal)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n_prompts):
+        base = [[rng.choice(WORDS) for _ in range(rng.randint(4, 8))] for _ in range(3)]
+        best = " ".join(base[0][:2] + [MARKER] + base[0][2:])
+        a, b = " ".join(base[1]), " ".join(base[2])
+        prompt = f"Describe thing {i}."
+        rows += [{"prompt": prompt, "chosen": best, "rejected": a}, {"prompt": prompt, "chosen": best, "rejected": b},
+                 {"prompt": prompt, "chosen": a, "rejected": b}]
+    return rows
+
+
+def test_group_by_prompt_scores_each_response_once_and_learns(tiny_policy_dir, tmp_path, tokenizer):
+    """--group-by-prompt: a step runs each distinct response of its prompts once (the epoch's token
+    count is that of the distinct texts, half that of pair by pair with K = 3), and the marker
+    is learnt as well as pair by pair."""
+    train = write_jsonl(tmp_path / "k3.jsonl", ranked_pairs(32, seed=3))
+    held = write_jsonl(tmp_path / "held.jsonl", marker_pairs(32, seed=1))
+    rows = {}
+    for group in (True, False):
+        rows[group] = train_reward(rm_cfg(tiny_policy_dir, train, tmp_path / f"g{group}", eval_data=str(held),
+                                          group_by_prompt=group, batch_size=4 if group else 12, epochs=3,
+                                          normalize=False))
+    enc = encode_pairs(load_pairs(str(train)), tokenizer, True, 512)
+    pair_tokens = sum(len(c) + len(r) for c, r, _ in enc)
+    distinct_tokens = sum(len(x) for x in {tuple(x) for c, r, _ in enc for x in (c, r)})
+    assert distinct_tokens * 2 == pair_tokens  # each text is in 2 of its prompt's 3 pairs: 3 texts, not 6
+    assert rows[False][1]["tokens"] == pair_tokens
+    assert rows[True][1]["tokens"] == distinct_tokens
+    # 8 steps of 4 prompts (12 pairs) per epoch either way; both learn the marker
+    assert rows[True][-1]["eval_accuracy"] >= 0.9 and rows[False][-1]["eval_accuracy"] >= 0.9, rows
+
+
+def test_group_by_prompt_with_unique_prompts_trains_as_pair_by_pair(tiny_policy_dir, trained, tmp_path):
+    """Each pair its own prompt: a group is one pair and the loss is the plain mean, so the two modes
+    give the same losses and accuracies (to float rounding)."""
+    runs = [train_reward(rm_cfg(tiny_policy_dir, trained["train"], tmp_path / f"u{g}", eval_data=str(trained["held"]),
+                                group_by_prompt=g, normalize=False)) for g in (True, False)]
+    for a, b in zip(*runs):
+        assert a["eval_accuracy"] == b["eval_accuracy"]
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-4, abs=1e-6)
+        if "train_loss" in a:
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4, abs=1e-6)
