@@ -109,13 +109,16 @@ class Sizes:
     """The critic starts from the proxy RM with its value head at zero (see PPOConfig.critic_zero_head):
     with the RM's own head its explained variance stayed at -10 .. -2 and PPO gained nothing in 8 steps
     (measured; see the session notes)."""
+    rm_batch_prompts: int = 2
+    """Reward-model batch: prompts per step, each with all its C(K, 2) comparisons (``--group-by-prompt``,
+    as InstructGPT trained): every response runs once per epoch instead of K - 1 times."""
     confirm_samples: int = 4
     """Fresh responses per held-out prompt with which the best-gold checkpoint and the starting policy are
     scored again after PPO (the best step was chosen on the in-run evaluations, so those are optimistic)."""
 
 
-FULL = Sizes(train_prompts=48, eval_prompts=32, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=2, rm_lr=3e-4,
-             policy_layers=8, lora_r=16, steps=8, eval_every=4, batch_size=32, minibatches=4, response_length=32,
+FULL = Sizes(train_prompts=48, eval_prompts=32, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=3, rm_lr=3e-4,
+             policy_layers=8, lora_r=16, steps=8, eval_every=2, batch_size=32, minibatches=4, response_length=32,
              ppo_epochs=2, actor_lr=2e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15, responses_per_prompt=6,
              length_penalty=0.0)
 QUICK = Sizes(train_prompts=16, eval_prompts=8, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=2, rm_lr=3e-4,
@@ -284,7 +287,8 @@ class Demo:
         s, out = self.sizes, self.out
         cfg = config.build(RewardTrainConfig, dict(
             model=self.cfg.model, data=str(out / "pairs_train.jsonl"), eval_data=str(out / "pairs_eval.jsonl"),
-            output_dir=str(out / RM_DIR), epochs=s.rm_epochs, train_layers=s.rm_layers, lr=s.rm_lr, batch_size=8,
+            output_dir=str(out / RM_DIR), epochs=s.rm_epochs, train_layers=s.rm_layers, lr=s.rm_lr,
+            batch_size=s.rm_batch_prompts, group_by_prompt=True,
             normalize=True, norm_source="pairs", precision=self.precision, seed=self.cfg.seed, overwrite=True,
             quiet=self.cfg.quiet))
         # Normalised on the starting policy's own samples, the pairs' responses: mean 0, std 1 (OpenAI

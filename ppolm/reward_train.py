@@ -215,15 +215,18 @@ def score_seqs(model: Any, seqs: list[list[int]], pad_id: int, device: torch.dev
 
 @torch.no_grad()
 def evaluate_pairs(score_fn: Any, encoded: list[tuple], batch_size: int) -> dict[str, float]:
-    """Pairwise accuracy (strictly higher chosen score), Bradley-Terry loss and mean score gap."""
-    rc, rr, m = [], [], []
-    for i in range(0, len(encoded), batch_size):
-        batch = encoded[i:i + batch_size]
-        s = score_fn([c for c, _, _ in batch] + [r for _, r, _ in batch]).float().cpu()
-        rc.append(s[:len(batch)])
-        rr.append(s[len(batch):])
-        m += [x for _, _, x in batch]
-    c, r = torch.cat(rc), torch.cat(rr)
+    """Pairwise accuracy (strictly higher chosen score), Bradley-Terry loss and mean score gap.
+
+    Each distinct text is scored once (K ranked responses per prompt give C(K, 2) pairs but only K
+    texts), in batches of ``2 * batch_size`` texts (at least 16)."""
+    texts = list(dict.fromkeys(tuple(x) for c, r, _ in encoded for x in (c, r)))
+    step = max(16, 2 * batch_size)
+    found = torch.cat([score_fn([list(x) for x in texts[i:i + step]]).float().cpu()
+                       for i in range(0, len(texts), step)]) if texts else torch.zeros(0)
+    where = {x: i for i, x in enumerate(texts)}
+    c = found[[where[tuple(x)] for x, _, _ in encoded]]
+    r = found[[where[tuple(x)] for _, x, _ in encoded]]
+    m = [x for _, _, x in encoded]
     return {"accuracy": float((c > r).float().mean()), "loss": float(core.pairwise_loss(c, r, torch.tensor(m))),
             "margin": float((c - r).mean()), "n": len(c), "scores": (c.tolist(), r.tolist())}
 
@@ -250,14 +253,15 @@ class TrunkCache:
     With the lower ``L - n`` layers frozen, their output for a text never changes during training, so
     it is computed once (no grad, batched) and the trained top ``n`` layers, final norm and head run on
     it each step: the same function, computed in a fraction of the time (exact up to float rounding
-    from different batch padding). ``n = 0`` caches the final hidden state at the last token (head only).
+    from different batch padding). Texts that begin alike (one chat template) run that beginning
+    once per batch (:mod:`ppolm.prefix`). ``n = 0`` caches the final hidden state at the last token (head only).
     """
 
     BUDGET = 1 << 30  # bytes
 
     def __init__(self, model: Any, n: int, seqs: list[list[int]], pad_id: int, device: torch.device,
                  precision: str, batch_size: int = 16):
-        from ppolm import critic
+        from ppolm import critic, prefix
         from ppolm.models import position_ids_from_mask
         from ppolm.rollout import left_pad
 
@@ -272,9 +276,14 @@ class TrunkCache:
             for i in range(0, len(uniq), batch_size):
                 chunk = uniq[i:i + batch_size]
                 ids, mask = left_pad([list(x) for x in chunk], pad_id, device)
+                # texts of one chat template begin alike: that beginning runs once (ppolm/prefix.py)
+                split = prefix.find(ids, mask, ids.shape[1]) if prefix.usable(model) else None
                 with common.autocast(device, precision), (tap.capture() if tap else contextlib.nullcontext()):
-                    out = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                                   use_cache=False).last_hidden_state
+                    if split is not None:
+                        out = prefix.forward(backbone, ids, mask, split)
+                    else:
+                        out = backbone(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                                       use_cache=False).last_hidden_state
                 h = tap.hidden if tap else out[:, -1:]  # (B, T, d), or (B, 1, d) after the final norm
                 for j, x in enumerate(chunk):
                     self.hidden[x] = h[j, -min(len(x), h.shape[1]):].clone()
@@ -446,8 +455,9 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         model.eval()
         texts = list(dict.fromkeys(tuple(x) for x in every))
         with torch.no_grad():
-            raw = torch.cat([scores([list(x) for x in texts[i:i + 2 * cfg.batch_size]]).float().cpu()
-                             for i in range(0, len(texts), 2 * cfg.batch_size)])
+            step = max(16, 2 * cfg.batch_size)
+            raw = torch.cat([scores([list(x) for x in texts[i:i + step]]).float().cpu()
+                             for i in range(0, len(texts), step)])
         gain, bias, mean, std = fit_norm(raw, f"{len(texts)} responses of the pairs")
         write_norm(out, gain, bias, raw_mean=mean, raw_std=std, n_samples=len(texts), source="pairs")
         rows[-1].update(norm_gain=gain, norm_bias=bias)

@@ -111,6 +111,30 @@ def test_hooks_capture_the_stitched_state(tiny_policy_dir, tiny_rm_dir):
     assert torch.allclose(a[real], b[real], atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [0, 1])
+def test_reward_trunk_cache_runs_the_shared_beginning_once(tiny_rm_dir, monkeypatch, n):
+    """ppolm reward's trunk cache: texts of one chat template share their beginning, which runs once
+    per batch; the cached states (entering the top n layers, or the final one at the last token)
+    equal a plain pass's over each text alone."""
+    from ppolm import critic
+    from ppolm.reward_train import TrunkCache
+
+    rm = models.load_scalar_model(tiny_rm_dir, head_init="keep").requires_grad_(False)
+    texts = [SHARED + [7, 8, 9, 2], SHARED + [7, 2], SHARED + [9, 9, 9, 9, 5, 2], SHARED + [4, 4, 2]]
+    splits = []
+    real_find = prefix.find
+    monkeypatch.setattr(prefix, "find", lambda *a: splits.append(real_find(*a)) or splits[-1])
+    cache = TrunkCache(rm, n, texts, 0, torch.device("cpu"), "fp32", batch_size=4)
+    assert len(splits) == 1 and splits[0] is not None and splits[0].length == 12
+    backbone, layers = critic.stack(rm)
+    tap = critic.Tap(layers[len(layers) - n if n else 0])
+    for x in texts:
+        with torch.no_grad(), tap.capture():
+            out = backbone(input_ids=torch.tensor([x]), use_cache=False).last_hidden_state
+        want = tap.hidden[0] if n else out[0, -1:]  # (T, d) entering layer L - n, or the final state
+        assert torch.allclose(cache.hidden[tuple(x)], want, atol=1e-5), (n, x)
+
+
 @pytest.mark.parametrize("over", [
     dict(critic_layers=1),                                  # full fine-tuning, critic tapping the RM
     dict(critic_layers=0, critic_init="policy"),            # a full separate critic (its own pass)
