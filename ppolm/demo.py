@@ -7,8 +7,9 @@ Stages (each prints its progress; finished stages are kept, so ``--resume`` cont
 2. **pairs**: K = 6 responses per training prompt (quick: 4) sampled from the starting policy at
    temperature 1, every two of them compared (C(K, 2) = 15 pairs per prompt, as InstructGPT's
    rankings), each label a Bradley-Terry draw from the gold difference (noisy, like human labels);
-3. **proxy reward model**: ``ppolm reward`` on those pairs, held-out accuracy reported, then
-   normalised to mean 0 / std 1 on the same starting-policy samples;
+3. **proxy reward model**: ``ppolm reward`` on those pairs (each prompt's comparisons as one item,
+   ``--group-by-prompt``), held-out accuracy reported, then normalised to mean 0 / std 1 on the same
+   starting-policy samples;
 4. **PPO** against the proxy (critic initialised from it with a zero value head, adaptive KL), scoring
    held-out prompts with the proxy *and* the gold judge every few steps and keeping the best-gold
    policy in ``best/``;
@@ -101,8 +102,8 @@ class Sizes:
     reward), the seeds' mitigation against length drift. Off: 0.1 beyond 20 tokens held the length at
     24-25 tokens (without: 24 -> 29) but the best checkpoint's gold gain on fresh samples was still
     -0.03 ± 0.03 (measured; see the session notes): the proxy's other preferences do not track the judge."""
-    length_budget: int = 20
-    """Response tokens free of the length penalty (about the judge's 15-word budget)."""
+    length_budget: int = 16
+    """Response tokens free of the length penalty (about the judge's 12-word budget)."""
     minibatches: int = 1
     """PPO minibatches per epoch (each an optimiser step)."""
     critic_zero_head: bool = True

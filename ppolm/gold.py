@@ -5,13 +5,16 @@ that are (1) positive, (2) short and (3) not repetitive, the way a human rater a
 warm review" would. In numbers, for a response of ``w`` words::
 
     gold = VADER compound sentiment                 in [-1, 1]  (Hutto & Gilbert 2014)
-           - 0.04 per word beyond 15 words          (the word budget: one short sentence)
+           - 0.1 per word beyond 12 words           (the word budget: one short sentence)
            - 1.5 x fraction of repeated word bigrams  (repetition)
            - 1 if the response is empty
 
-A *proxy* reward model trained on a few hundred noisy comparisons by this judge learns mostly the
-easy part (positive words) and little of the rest, so PPO against it can find responses the
-proxy likes and the judge does not: gushing, long or repetitive text. That gap is Goodhart's law
+A *proxy* reward model trained on a few hundred noisy comparisons by this judge learns the easy
+part, length, and little of the rest: on the demo's ~200 distinct training responses, a linear
+read-out of SmolLM2's last-token state orders held-out pairs by the length term 83% of the time
+and by the sentiment term 58% (measured; with 0.04 per word beyond 15, sentiment dominated the
+judge and the trained proxies came out at 0.50-0.54 against it). So PPO against the proxy can find
+responses the proxy likes and the judge does not: terse, flat or empty ones. That gap is Goodhart's law
 as measured by Gao, Schulman & Hilton (2022), and :mod:`ppolm.demo` shows it.
 
 ``gold_judge`` follows TRL's reward-function convention, so it also works as
@@ -26,8 +29,8 @@ from typing import Any
 
 from ppolm.builtin_rewards import _vader, completion_text
 
-WORD_BUDGET = 15
-PER_EXTRA_WORD = 0.04
+WORD_BUDGET = 12
+PER_EXTRA_WORD = 0.1
 REPETITION_WEIGHT = 1.5
 EMPTY_PENALTY = 1.0
 

@@ -12,8 +12,11 @@ def test_gold_judge_is_deterministic_and_penalises():
     good = "A lovely, reliable kettle. I really like it."
     assert gold.gold_judge([""], [good]) == gold.gold_judge([""], [good]) and gold.gold_score(good) > 0.5
     long = good + " " + " ".join(f"w{i}" for i in range(60))
-    assert gold.gold_score(long) < gold.gold_score(good) - 1.0  # ~50 words over the budget
-    assert gold.gold_score("great great great great great great") < gold.gold_score("great")  # repetition
+    # 8 + 60 words, the 60 neutral and distinct: VADER's compound is unchanged, 56 words over the budget of 12
+    assert abs(gold.gold_score(long) - (gold.gold_score(good) - 0.1 * 56)) < 1e-9
+    # repetition: 5 bigrams, 1 distinct -> fraction 0.8 repeated, -1.5 * 0.8 = -1.2
+    rep = "great great great great great great"
+    assert abs(gold.gold_score(rep) - (gold._vader().polarity_scores(rep)["compound"] - 1.2)) < 1e-9
     assert gold.gold_score("   ") == -1.0
     assert gold.gold_judge(["p"], [[{"role": "assistant", "content": good}]]) == [gold.gold_score(good)]
 
