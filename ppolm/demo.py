@@ -99,9 +99,9 @@ class Sizes:
     """Sampling temperature of the responses to compare (diverse responses make informative comparisons)."""
     length_penalty: float = 0.0
     """PPO's length penalty per response token beyond ``length_budget`` (in units of the normalised proxy
-    reward), the seeds' mitigation against length drift. Off: 0.1 beyond 20 tokens held the length at
-    24-25 tokens (without: 24 -> 29) but the best checkpoint's gold gain on fresh samples was still
-    -0.03 ± 0.03 (measured; see the session notes): the proxy's other preferences do not track the judge."""
+    reward), the seeds' mitigation against length drift. Off: the proxy already prefers short answers
+    (the judge's length term is the part it learns), and with the earlier, sentiment-dominated judge 0.1
+    beyond 20 tokens held the length but left the gold gain at -0.03 ± 0.03 (measured; session notes)."""
     length_budget: int = 16
     """Response tokens free of the length penalty (about the judge's 12-word budget)."""
     minibatches: int = 1

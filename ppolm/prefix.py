@@ -91,11 +91,13 @@ def run(module: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, split: P
     (B, T): the shared beginning once (batch 1), then every row's rest attending to it through the
     key/value cache. Returns both outputs and the attention mask and position ids of the
     [shared | rest] layout (B, T), which a decode loop continues from."""
+    from ppolm.models import position_ids_from_mask
+
     c = split.length
     b = ids.shape[0]
     rest_mask = mask.gather(1, split.perm[:, c:])
     full_mask = torch.cat([torch.ones(b, c, dtype=mask.dtype, device=mask.device), rest_mask], dim=1)
-    pos = (full_mask.long().cumsum(-1) - 1).clamp(min=0)
+    pos = position_ids_from_mask(full_mask)
     token = _ACTIVE.set(split)
     try:
         split.stage = "shared"

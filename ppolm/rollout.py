@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ppolm import core
+from ppolm.models import position_ids_from_mask
 from ppolm.prefix import PrefixSplit
 
 
@@ -163,7 +164,7 @@ def _decode(policy: torch.nn.Module, query: torch.Tensor, query_mask: torch.Tens
         _, out, mask, pos = prefix.run(policy, query, query_mask, split, logits_to_keep=1)
     else:
         mask = query_mask
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        pos = position_ids_from_mask(mask)
         out = policy(input_ids=query, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
     cache = out.cache
     if cache is None:
@@ -235,7 +236,7 @@ def response_hidden(model: torch.nn.Module, roll: Rollout, start: int = 0,
     elif roll.split is not None and prefix.usable(model):
         hidden = prefix.forward(backbone(model), ids, mask, roll.split)
     else:
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        pos = position_ids_from_mask(mask)
         hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=pos,
                                  use_cache=False).last_hidden_state
     p, r = roll.query.shape[1], roll.response.shape[1]
