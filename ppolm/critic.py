@@ -99,7 +99,7 @@ class TrunkCritic(torch.nn.Module):
         dtype = next(inner.score.parameters()).dtype
         out = backbone(inputs_embeds=hidden.to(dtype), attention_mask=attention_mask, position_ids=pos,
                        use_cache=False)
-        return inner.score(out.last_hidden_state).squeeze(-1).float()
+        return models.scalar_head(inner.score, out.last_hidden_state)
 
     def full_model(self, source: str, **load: Any) -> torch.nn.Module:
         """The whole critic as one Hugging Face sequence-classification model: the source's lower

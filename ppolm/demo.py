@@ -57,7 +57,9 @@ class DemoConfig:
     steps: int | None = None
     """PPO steps (default: 8, quick: 3)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """auto: bf16 on a GPU or a CPU with native bf16 (AMX/AVX512-BF16), else fp32 (emulated bf16 is slower)."""
+    """auto: bf16 where the device the demo computes on has native bf16 (a GPU with bf16; a CPU with AMX/AVX512-BF16), else fp32 (emulated bf16 is slower)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of every stage: auto picks cuda when available."""
     quiet: bool = False
     """Log lines instead of progress bars."""
     threads: int = 0
@@ -127,20 +129,6 @@ QUICK = Sizes(train_prompts=16, eval_prompts=8, rm_eval_fraction=0.25, rm_layers
               actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15, confirm_samples=1)
 
 
-def pick_precision(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    import torch
-
-    if torch.cuda.is_available():
-        return "bf16"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "fp32"
-    return "bf16" if ("amx_bf16" in flags or "avx512_bf16" in flags) else "fp32"
-
-
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -168,7 +156,13 @@ class Demo:
         self.out = Path(cfg.output_dir)
         base = QUICK if cfg.quick else FULL
         self.sizes = Sizes(**{**asdict(base), **({"steps": cfg.steps} if cfg.steps else {})})
-        self.precision = pick_precision(cfg.precision)
+        from ppolm.precision import dtype_of, resolve_device, resolve_precision
+
+        # one device for every stage, and the precision that is fastest *there* (not bf16 because a
+        # GPU exists while the stages compute on the CPU)
+        self.device = resolve_device(cfg.device)
+        self.precision = resolve_precision(cfg.precision, self.device)
+        self.dtype = dtype_of(self.precision)
         self.state: dict[str, Any] = {}
         self.t0 = time.perf_counter()
 
@@ -244,7 +238,7 @@ class Demo:
         s, cfg = self.sizes, self.cfg
         torch.manual_seed(cfg.seed)
         tok = models.load_tokenizer(cfg.model)
-        policy = models.load_causal_lm(cfg.model, dtype=torch.float32, tokenizer=tok)
+        policy = models.load_causal_lm(cfg.model, dtype=self.dtype, device=self.device, tokenizer=tok)
         prompts = [json.loads(x)["prompt"] for x in (self.out / "prompts_train.jsonl").read_text().splitlines()]
         k = s.responses_per_prompt
         jobs = [p for p in prompts for _ in range(k)]  # K responses per prompt
@@ -290,7 +284,8 @@ class Demo:
             model=self.cfg.model, data=str(out / "pairs_train.jsonl"), eval_data=str(out / "pairs_eval.jsonl"),
             output_dir=str(out / RM_DIR), epochs=s.rm_epochs, train_layers=s.rm_layers, lr=s.rm_lr,
             batch_size=s.rm_batch_prompts, group_by_prompt=True,
-            normalize=True, norm_source="pairs", precision=self.precision, seed=self.cfg.seed, overwrite=True,
+            normalize=True, norm_source="pairs", precision=self.precision, device=self.device.type,
+            seed=self.cfg.seed, overwrite=True,
             quiet=self.cfg.quiet))
         # Normalised on the starting policy's own samples, the pairs' responses: mean 0, std 1 (OpenAI
         # detail 8), from the trained top layers on the cached trunk (no second pass over the texts).
@@ -332,7 +327,8 @@ class Demo:
             critic_zero_head=s.critic_zero_head,
             lora_target=self.lora_targets(), kl_coef=s.kl_coef, kl_target=s.kl_target,
             length_penalty=s.length_penalty, length_budget=s.length_budget,
-            adaptive_kl=True, precision=self.precision, seed=self.cfg.seed, sample_every=1, save_every=1,
+            adaptive_kl=True, precision=self.precision, device=self.device.type, seed=self.cfg.seed, sample_every=1,
+            save_every=1,
             keep_last=1, output_dir=str(out), overwrite=not resume, resume=resume, quiet=self.cfg.quiet))
         proxy = f"eval/{RM_DIR}"
         if s.length_penalty:
@@ -371,8 +367,8 @@ class Demo:
         s, cfg = self.sizes, self.cfg
         temperature = self.ppo_temperature()
         tok = models.load_tokenizer(cfg.model)
-        policy = PeftModel.from_pretrained(models.load_causal_lm(cfg.model, dtype=torch.float32, tokenizer=tok),
-                                           str(adapter)).eval()
+        base = models.load_causal_lm(cfg.model, dtype=self.dtype, device=self.device, tokenizer=tok)
+        policy = PeftModel.from_pretrained(base, str(adapter)).eval()
         prompts = [json.loads(x)["prompt"] for x in (self.out / "prompts_eval.jsonl").read_text().splitlines()]
         jobs = [p for p in prompts for _ in range(s.confirm_samples)]
         scores: dict[str, list[float]] = {}
@@ -403,7 +399,7 @@ class Demo:
         bs, t = 32, time.perf_counter()
         for i in range(0, len(prompts), bs):
             ids = [encode_prompt(p, tok, True) for p in prompts[i:i + bs]]
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            with torch.no_grad():  # the models are in the run's dtype (ppolm/precision.py)
                 roll = ro.generate(policy, ids, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                                    max_new_tokens=self.sizes.response_length, temperature=temperature)
             texts += tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)

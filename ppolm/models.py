@@ -432,7 +432,17 @@ def scalar_forward(model, input_ids, attention_mask, position_ids=None, split=No
             position_ids = position_ids_from_mask(attention_mask)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
-    return inner.score(hidden).squeeze(-1).float()
+    return scalar_head(inner.score, hidden)
+
+
+def scalar_head(score: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A scalar head (reward or value) at every position: (B, T, d) -> (B, T), computed in fp32
+    whatever the model's dtype (values and rewards are read by the PPO maths, which is fp32)."""
+    if type(score) is not nn.Linear:  # e.g. peft's wrapper around a trained head
+        return score(hidden).squeeze(-1).float()
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = None if score.bias is None else score.bias.float()
+        return torch.nn.functional.linear(hidden.float(), score.weight.float(), bias).squeeze(-1)
 
 
 def save_pretrained(model, tokenizer, path) -> None:
@@ -494,3 +504,88 @@ def build_tiny_model_dir(
         raise ValueError(f"kind must be 'causal' or 'scalar', not {kind!r}")
     save_pretrained(model, tok, path)
     return Path(path)
+
+
+def _logit_transform(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """What known architectures apply to their LM head's output (transformers' forward code):
+    Granite divides by ``config.logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma-2/3
+    soft-cap with ``tanh(x / c) * c`` (``config.final_logit_softcapping``)."""
+    inner = _unwrap(model)
+    cfg = getattr(inner, "config", None)
+    scaling = getattr(cfg, "logits_scaling", None)
+    if scaling not in (None, 1, 1.0):
+        logits = logits / scaling
+    scale = getattr(inner, "logit_scale", None)
+    if isinstance(scale, (int, float)) and scale != 1:
+        logits = logits * scale
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def output_logits(model: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits at the final hidden states ``hidden`` (..., d) -> (..., V), float32.
+
+    The LM head runs in fp32 whatever the model's dtype (its bias included), then whatever the
+    architecture applies after it (:func:`_logit_transform`), so the sampler and every log-prob PPO
+    computes read the same distribution (bf16 logits are rounded to ~0.03-0.06 at the magnitudes
+    of a language model's logits). ``weight``: the head's weight already in fp32 (the sampler
+    converts it once per rollout, not once per token). Grad flows to the model's own weights.
+    :func:`check_output_path` verifies once per model that this is what its forward computes.
+    """
+    head = _unwrap(model).get_output_embeddings()
+    x = hidden.float()
+    with torch.autocast(x.device.type, enabled=False):  # an autocast region would run it in bf16 again
+        logits = _head_fp32(head, x, weight, hidden)
+    return _logit_transform(model, logits)
+
+
+def _head_fp32(head: nn.Module, x: torch.Tensor, weight: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
+    if type(head) is nn.Linear:
+        w = head.weight.float() if weight is None else weight
+        b = None if head.bias is None else head.bias.float()
+        rows = x.numel() // x.shape[-1]
+        if x.device.type == "cpu" and rows <= 64 and not torch.is_grad_enabled():
+            # a few rows (decoding): (W @ x.T).T is faster than the CPU GEMM's (x @ W.T) for this shape
+            y = (w @ x.reshape(rows, -1).t()).t()
+            y = y if b is None else y + b
+            logits = y.reshape(*x.shape[:-1], w.shape[0])
+        else:
+            logits = torch.nn.functional.linear(x, w, b)
+    else:  # an adapted (e.g. LoRA) or custom head: its own forward, in its own dtype
+        logits = head(hidden).float()
+    return logits
+
+
+def head_weight_fp32(model: nn.Module) -> torch.Tensor | None:
+    """The LM head's weight as fp32 (no copy when it is fp32 already), for :func:`output_logits`."""
+    head = _unwrap(model).get_output_embeddings()
+    return head.weight.detach().float() if type(head) is nn.Linear else None
+
+
+@torch.no_grad()
+def check_output_path(model: nn.Module) -> None:
+    """Refuse a model whose forward does more after its LM head than :func:`output_logits`
+    reproduces (PPO's log-probs would then refer to another distribution than the one sampled).
+    Compares the two on a short probe sequence, once per model."""
+    inner = _unwrap(model)
+    backbone = getattr(inner, inner.base_model_prefix, None)
+    if backbone is None or inner.get_output_embeddings() is None:
+        raise PPOLMError(f"{type(inner).__name__} has no separate backbone and LM head; ppolm needs a causal LM "
+                         "with both (AutoModelForCausalLM)")
+    device = next(inner.parameters()).device
+    vocab = inner.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(1, 9, device=device) * 7919 % vocab)[None]
+    mask = torch.ones_like(ids)
+    pos = position_ids_from_mask(mask)
+    own = inner(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits.float()
+    hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+    mine = output_logits(model, hidden)
+    low = next(inner.parameters()).dtype != torch.float32
+    tol = 1e-4 + (2.0 ** -6 if low else 1e-5) * float(own.abs().max())
+    if own.shape != mine.shape or float((own - mine).abs().max()) > tol:
+        raise PPOLMError(f"{type(inner).__name__} ({getattr(inner.config, 'model_type', '?')}) changes its logits "
+                         "after the LM head in a way ppolm does not reproduce, so PPO's log-probs would not be the "
+                         "sampled distribution's; use another architecture (Llama, Qwen, Mistral, Phi, Gemma, "
+                         "Granite, Cohere and their kin are supported)")

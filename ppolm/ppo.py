@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from ppolm import checkpoint, config, core
+from ppolm import checkpoint, config, core, precision
 from ppolm import rollout as ro
 from ppolm.errors import PPOLMError
 from ppolm.ppo_config import PPOConfig
+from ppolm.precision import resolve_device, resolve_precision  # noqa: F401  (public here too)
 
 OUTPUTS = ("policy", "policy_adapter", "critic", "checkpoints", "tensorboard", "metrics.jsonl", "samples.jsonl",
            "eval.jsonl", "eval_samples.jsonl", "best", "best.json", "config.yaml", "report.html", "plots")
@@ -43,32 +44,6 @@ class PPOResult:
 def train_ppo(cfg: PPOConfig) -> PPOResult:
     """Run PPO as configured (the Python twin of ``ppolm ppo``); returns the metrics rows."""
     return PPOTrainer(cfg).train()
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise PPOLMError("--device cuda was asked for but no CUDA device is available; use --device cpu or auto")
-    return torch.device(name)
-
-
-def resolve_precision(name: str, device: torch.device) -> str:
-    """'auto' -> bf16 where the hardware computes in bf16 natively (CUDA; CPUs with AMX or
-    AVX512-BF16), else fp32: on a CPU without them bf16 is emulated and 3-5x slower than fp32."""
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    try:
-        native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    except AttributeError:  # private helpers moved: read the CPU flags
-        try:
-            flags = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            flags = ""
-        native = "amx_bf16" in flags or "avx512_bf16" in flags
-    return "bf16" if native else "fp32"
 
 
 def seed_everything(seed: int) -> None:
@@ -147,9 +122,9 @@ class PPOTrainer:
         self.out = Path(cfg.run.output_dir)
         prepare_output_dir(self.out, cfg)
         self.device = resolve_device(m.device)
+        # bf16: every model computes in bf16, trained weights keep fp32 masters (ppolm/precision.py)
         self.precision = resolve_precision(m.precision, self.device)
-        self.bf16 = self.precision == "bf16"
-        frozen_dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.dtype = precision.dtype_of(self.precision)
         # Data-parallel readiness (torchrun sets RANK/WORLD_SIZE): a different seed per rank (OpenAI
         # detail 17) and a disjoint slice of the prompts; no other global state.
         self.rank, self.world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -191,8 +166,9 @@ class PPOTrainer:
             self.ptx_ids = [x for x in self.ptx_ids if len(x) >= 2]
 
         # 1. policy (trained) and 2. reference (frozen)
-        self.policy = models.load_causal_lm(m.model, dtype=torch.float32, device=self.device,
+        self.policy = models.load_causal_lm(m.model, dtype=self.dtype, device=self.device,
                                             trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
+        models.check_output_path(self.policy)
         self.reference = None
         if m.lora_r > 0:
             from peft import LoraConfig, get_peft_model
@@ -202,13 +178,13 @@ class PPOTrainer:
                                                                  lora_dropout=0.0, target_modules=targets,
                                                                  task_type="CAUSAL_LM"))
         else:
-            self.reference = models.load_causal_lm(m.model, dtype=frozen_dtype, device=self.device,
+            self.reference = models.load_causal_lm(m.model, dtype=self.dtype, device=self.device,
                                                    trust_remote_code=m.trust_remote_code,
                                                    allow_pickle=m.allow_pickle).requires_grad_(False)
         self.policy.train()  # dropout is already 0 in every model; train() only matters to peft
 
         # 3. reward: frozen reward models and/or functions
-        rms = [RewardModel(p, dtype=frozen_dtype, device=self.device, trust_remote_code=m.trust_remote_code,
+        rms = [RewardModel(p, dtype=self.dtype, device=self.device, trust_remote_code=m.trust_remote_code,
                            allow_pickle=m.allow_pickle) for p in cfg.reward.reward_model]
         self.rm_same_vocab = [rm.tokenizer.get_vocab() == self.tokenizer.get_vocab() for rm in rms]
         self.rewarder = Rewarder(rms, functions, model_weight=cfg.reward.reward_model_weight,
@@ -236,7 +212,7 @@ class PPOTrainer:
             self.critic_from_rm = from_rm
             head = "keep" if from_rm and not m.critic_zero_head else "value"  # "value": a zero head
             self.critic_source = (rms[0].dir if from_rm else model_dir, head)
-            load = dict(dtype=torch.float32, device=self.device, trust_remote_code=m.trust_remote_code,
+            load = dict(dtype=self.dtype, device=self.device, trust_remote_code=m.trust_remote_code,
                         allow_pickle=m.allow_pickle)
             frozen = rms[0].model if from_rm else (self.reference if self.reference is not None else self.policy)
             built = critic_lib.build(self.critic_source[0], frozen, m.critic_layers,
@@ -279,8 +255,10 @@ class PPOTrainer:
                          if any(self.rm_start) or self.policy_start else None)
 
         # Optimisers: separate learning rates for actor and critic (Adam eps 1e-5, detail 16)
-        self.actor_params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.critic_params = [p for _, p in self.critic_named_parameters()]
+        # (with bf16 models, the optimisers step fp32 master copies; ppolm/precision.py)
+        self.actor = precision.MasterWeights(p for p in self.policy.parameters() if p.requires_grad)
+        self.critic_weights = precision.MasterWeights(p for _, p in self.critic_named_parameters())
+        self.actor_params, self.critic_params = self.actor.params, self.critic_weights.params
         # fused AdamW: one kernel over all parameters, ~4x faster than the per-tensor loop on a CPU
         adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay, fused=self.device.type in ("cpu", "cuda"))
         self.actor_opt = torch.optim.AdamW(self.actor_params, lr=a.actor_lr, **adam)
@@ -297,9 +275,6 @@ class PPOTrainer:
         self.warned: set[str] = set()
 
     # ----------------------------------------------------------------------------------------
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
-
     def prompt_batch(self, step: int) -> list[Any]:
         """Prompts of a step: a fresh seeded permutation per pass over the data (resume-safe)."""
         n, b = len(self.prompts), self.cfg.algo.batch_size
@@ -317,23 +292,24 @@ class PPOTrainer:
         """Policy log-probs, entropy and values on a rollout: each (B, R). ``trunk`` (B, P + R, d): the
         frozen trunk's hidden state that feeds a top-layers critic; ``entering``: the state entering
         the policy's first adapted layer, from the reference pass (LoRA on the top layers only)."""
-        with self.autocast():
-            h = ro.response_hidden(self.policy, roll, self.policy_start, entering)
-            logits = ro.tempered_logits(self.policy, h, self.cfg.generation.temperature)  # (B, R, V)
-            logp = core.logprobs_from_logits(logits, roll.response)
-            ent = None  # two more (B, R, V) tensors: only for the first pass's metric or an entropy bonus
-            if want_entropy:
-                with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
-                    ent = core.entropy_from_logits(logits)
-            if self.value_head is not None:
-                v = self.value_head(h).squeeze(-1).float()
-            elif self.tap is not None:
-                p, r = roll.query.shape[1], roll.response.shape[1]
-                v = self.critic(trunk, roll.attention_mask)[:, p - 1:p - 1 + r]
-            else:
-                v = ro.values(self.critic, roll)
-            if self.value_bias is not None:
-                v = v + self.value_bias
+        from ppolm.models import scalar_head
+
+        h = ro.response_hidden(self.policy, roll, self.policy_start, entering)
+        logits = ro.tempered_logits(self.policy, h, self.cfg.generation.temperature)  # (B, R, V) fp32
+        logp = core.logprobs_from_logits(logits, roll.response)
+        ent = None  # two more (B, R, V) tensors: only for the first pass's metric or an entropy bonus
+        if want_entropy:
+            with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
+                ent = core.entropy_from_logits(logits)
+        if self.value_head is not None:
+            v = scalar_head(self.value_head, h)
+        elif self.tap is not None:
+            p, r = roll.query.shape[1], roll.response.shape[1]
+            v = self.critic(trunk, roll.attention_mask)[:, p - 1:p - 1 + r]
+        else:
+            v = ro.values(self.critic, roll)
+        if self.value_bias is not None:
+            v = v + self.value_bias
         return logp, ent, v
 
     @torch.no_grad()
@@ -344,16 +320,23 @@ class PPOTrainer:
             return self.reference_logprobs(roll), {}
         with self.recorder.record() as found:
             ref = self.reference_logprobs(roll)
+        if self.policy_start:
+            # The policy runs from the state entering its first adapted layer (forward_train), so its
+            # reference (the adapter disabled) must take the same path: then both compute the same
+            # operations on the same numbers until the first update (KL 0, ratio 1), also in bf16,
+            # where two paths to one result differ by rounding.
+            with self.policy.disable_adapter():
+                ref = ro.logprobs(self.policy, roll, self.cfg.generation.temperature, self.policy_start,
+                                  found[self.policy_start])
         return ref, found
 
     @torch.no_grad()
     def reference_logprobs(self, roll: ro.Rollout) -> torch.Tensor:
         t = self.cfg.generation.temperature
-        with self.autocast():
-            if self.reference is None:  # LoRA: the reference is the policy without its adapter
-                with self.policy.disable_adapter():
-                    return ro.logprobs(self.policy, roll, t)
-            return ro.logprobs(self.reference, roll, t)
+        if self.reference is None:  # LoRA: the reference is the policy without its adapter
+            with self.policy.disable_adapter():
+                return ro.logprobs(self.policy, roll, t)
+        return ro.logprobs(self.reference, roll, t)
 
     @torch.no_grad()
     def score(self, roll: ro.Rollout, prompts: list[Any], rewarder: Any = None,
@@ -366,16 +349,15 @@ class PPOTrainer:
                                             skip_special_tokens=True)
 
         def rm_scores(rm: Any) -> torch.Tensor:
-            with self.autocast():
-                i = rewarder.models.index(rm)
-                if self.rm_same_vocab[i]:
-                    k = self.rm_start[i]
-                    if found and k in found:
-                        return rm.score_ids(roll.input_ids, roll.attention_mask, k, found[k])
-                    return rm.score_ids(roll.input_ids, roll.attention_mask, split=roll.split)
-                full = self.tokenizer.batch_decode(
-                    [row[mask.bool()] for row, mask in zip(roll.input_ids, roll.attention_mask)])
-                return rm.score_texts(full)
+            i = rewarder.models.index(rm)
+            if self.rm_same_vocab[i]:
+                k = self.rm_start[i]
+                if found and k in found:
+                    return rm.score_ids(roll.input_ids, roll.attention_mask, k, found[k])
+                return rm.score_ids(roll.input_ids, roll.attention_mask, split=roll.split)
+            full = self.tokenizer.batch_decode(
+                [row[mask.bool()] for row, mask in zip(roll.input_ids, roll.attention_mask)])
+            return rm.score_texts(full)
 
         keys = sorted({k for p in prompts for k in p.extra})
         columns = {k: [p.extra.get(k) for p in prompts] for k in keys}
@@ -389,7 +371,7 @@ class PPOTrainer:
         (e.g. a reward-model weight of zero): one forward of the frozen model under the tap."""
         from ppolm.models import scalar_forward
 
-        with self.tap.capture(), self.autocast():
+        with self.tap.capture():
             if self.critic_from_rm:
                 scalar_forward(self.rewarder.models[0].model, roll.input_ids, roll.attention_mask, split=roll.split)
             else:
@@ -399,11 +381,15 @@ class PPOTrainer:
     def optimizer_step(self) -> bool:
         """Clip and step both optimisers; skip both if any gradient is non-finite."""
         a = self.cfg.algo
+        self.actor.grads_to_master()
+        self.critic_weights.grads_to_master()
         norms = [torch.nn.utils.clip_grad_norm_(ps, a.max_grad_norm) for ps in (self.actor_params, self.critic_params)]
         ok = all(torch.isfinite(n) for n in norms)
         if ok:
             self.actor_opt.step()
             self.critic_opt.step()
+            self.actor.copy_to_model()
+            self.critic_weights.copy_to_model()
         self.actor_opt.zero_grad(set_to_none=True)
         self.critic_opt.zero_grad(set_to_none=True)
         return ok
@@ -419,8 +405,7 @@ class PPOTrainer:
             ids[i, :len(x)], mask[i, :len(x)] = torch.tensor(x), 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         labels = ids.masked_fill(mask == 0, -100)
-        with self.autocast():
-            return self.policy(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.float()
+        return self.policy(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.float()
 
     # ----------------------------------------------------------------------------------------
     def step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -431,10 +416,9 @@ class PPOTrainer:
 
         # 1. Rollout: sample a response per prompt (no grad, KV cache), mask after EOS.
         self.policy.eval()
-        with self.autocast():
-            roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
-                               max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
-                               top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
+        roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
+                           max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
+                           top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
         if cfg.model.share_prefix:
             roll.share_prefix()  # the prompts' common beginning runs once per pass (ppolm/prefix.py)
         self.policy.train()
@@ -529,6 +513,8 @@ class PPOTrainer:
                     # separate critic: its own graph and optimiser; shared trunk: weighted sum
                     loss = loss + (a.vf_coef * vf_loss if self.value_head is not None else vf_loss)
                     (loss / a.grad_accum).backward()
+                    self.actor.grads_to_master()  # bf16 models: accumulate in fp32, not in bf16
+                    self.critic_weights.grads_to_master()
                     for key, val in (("approxkl", pg["approxkl"]), ("clipfrac", pg["clipfrac"]), ("pg", pg_loss),
                                      ("vf", vf_loss), ("vf_clipfrac", vf["clipfrac"]), ("ratio", pg["ratio"])):
                         stats[key].append(float(val.detach()) if torch.is_tensor(val) else float(val))
@@ -576,6 +562,10 @@ class PPOTrainer:
             "val/ratio": avg(stats["ratio"]),
             "val/vf_explained_var": core.explained_variance(old_values, returns, mask),
             "val/num_eos_tokens": int((roll.response == self.eos_id).sum()),
+            # |recomputed - sampled| log-prob per token: ~0 in fp32, bf16 rounding of two computation
+            # paths (KV-cache decoding vs one full pass) otherwise; large values mean the rollouts were
+            # not drawn from the distribution PPO optimises
+            "policy/sampler_logprob_gap": core.masked_mean((old_logprobs - roll.sample_logprobs).abs(), mask).item(),
             "adv/var": adv_var,
             "response/length_mean": roll.lengths.float().mean().item(),
             "lr": lr,
@@ -621,16 +611,14 @@ class PPOTrainer:
             torch.manual_seed(cfg.run.seed + 1_000_003)
             for i in range(0, len(self.eval_prompts), cfg.run.eval_batch_size):
                 prompts = self.eval_prompts[i:i + cfg.run.eval_batch_size]
-                with self.autocast():
-                    roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
-                                       max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
-                                       top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
+                roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
+                                   max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
+                                   top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
                 if cfg.model.share_prefix:
                     roll.share_prefix()
                 ref, found = self.reference_pass(roll)
-                with self.autocast():
-                    k = self.policy_start
-                    logp = ro.logprobs(self.policy, roll, g.temperature, k, found.get(k) if k else None)
+                k = self.policy_start
+                logp = ro.logprobs(self.policy, roll, g.temperature, k, found.get(k) if k else None)
                 kl = (core.kl_penalty(logp, ref, cfg.kl.kl_estimator) * roll.response_mask).sum(1)
                 _, parts, texts = self.score(roll, prompts, scorer, found)
                 # the training score excludes the eval-only scorers' weights
@@ -692,8 +680,7 @@ class PPOTrainer:
 
     # ----------------------------------------------------------------------------------------
     def state(self, next_step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors = {f"policy.{n}": p for n, p in self.policy.named_parameters() if p.requires_grad}
-        tensors.update({f"critic.{n}": p for n, p in self.critic_named_parameters()})
+        tensors = dict(self.trained_parameters())
         ta, ma = checkpoint.optimizer_state(self.actor_opt, "actor_opt")
         tc, mc = checkpoint.optimizer_state(self.critic_opt, "critic_opt")
         tr, mr = checkpoint.rng_state()
@@ -707,6 +694,8 @@ class PPOTrainer:
         with torch.no_grad():
             for n, p in self.trained_parameters():
                 p.copy_(tensors[n])
+        self.actor.copy_to_model()
+        self.critic_weights.copy_to_model()
         checkpoint.load_optimizer_state(self.actor_opt, "actor_opt", tensors, meta["actor_opt"])
         checkpoint.load_optimizer_state(self.critic_opt, "critic_opt", tensors, meta["critic_opt"])
         self.actor_sched.load_state_dict(meta["actor_sched"])
@@ -727,6 +716,12 @@ class PPOTrainer:
         bad = checkpoint.first_non_finite(self.trained_parameters())
         if bad:
             raise PPOLMError(f"non-finite weights in {bad}; not saving them (see metrics.jsonl guard/*)")
+        # bf16 models are saved in fp32, with the trained weights from their fp32 masters
+        self.actor.to_fp32_model()
+        self.critic_weights.to_fp32_model()
+        self.policy.float()
+        if self.critic is not None:
+            self.critic.float()
         policy = self.policy
         # each output directory is written beside its final name, then swapped in (a full disk leaves
         # the previous one, and the checkpoints, intact)
@@ -865,9 +860,11 @@ class PPOTrainer:
         return PPOResult(self.out, tracking.read_jsonl(self.out / "metrics.jsonl"), interrupted)
 
     def trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, parameter) of everything trained: the policy and the critic or value head."""
-        return [(f"policy.{n}", p) for n, p in self.policy.named_parameters() if p.requires_grad] + \
-            [(f"critic.{n}", p) for n, p in self.critic_named_parameters()]
+        """(name, parameter) of everything trained: the policy and the critic or value head; with bf16
+        models, their fp32 master copies (what the optimisers step and checkpoints hold)."""
+        names = [f"policy.{n}" for n, p in self.policy.named_parameters() if p.requires_grad] + \
+            [f"critic.{n}" for n, _ in self.critic_named_parameters()]
+        return list(zip(names, self.actor.params + self.critic_weights.params))
 
     def critic_named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The critic's trained parameters (value head, or the critic's trained layers and head, and

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from ppolm import core
+from ppolm import core, models
 from ppolm import sft as common  # the training helpers SFT and reward training share
 from ppolm.errors import PPOLMError
 
@@ -307,7 +307,7 @@ class TrunkCache:
         head = self.model.score
         if not self.n:
             with common.autocast(self.device, self.precision):
-                return head(torch.cat(hs)).squeeze(-1).float()
+                return models.scalar_head(head, torch.cat(hs))
         width = max(len(h) for h in hs)
         h = hs[0].new_zeros((len(hs), width, hs[0].shape[-1]))
         mask = torch.zeros((len(hs), width), dtype=torch.long, device=self.device)
@@ -315,7 +315,7 @@ class TrunkCache:
             h[i, width - len(x):], mask[i, width - len(x):] = x, 1
         with common.autocast(self.device, self.precision):
             out = trunk.run_from(self.model, self.split, h.to(head.weight.dtype), mask)
-            return head(out[:, -1]).squeeze(-1).float()
+            return models.scalar_head(head, out[:, -1])
 
 
 def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:

@@ -140,7 +140,7 @@ class RewardModel:
             values = models.scalar_forward(self.model, ids, mask, split=split)  # (B, T)
         else:
             last_hidden = trunk.run_from(self.model, start, hidden, mask)
-            values = models._unwrap(self.model).score(last_hidden).squeeze(-1).float()
+            values = models.scalar_head(models._unwrap(self.model).score, last_hidden)
         last = mask.shape[1] - 1 - mask.flip(1).long().argmax(1)  # last real position per row
         raw = values.gather(1, last[:, None]).squeeze(1).float()
         return raw * self.gain + self.bias

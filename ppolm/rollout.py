@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ppolm import core
-from ppolm.models import position_ids_from_mask
+from ppolm.models import head_weight_fp32, output_logits, position_ids_from_mask
 from ppolm.prefix import PrefixSplit
 
 
@@ -35,6 +35,9 @@ class Rollout:
     """(B,) bool: the response emitted EOS within R tokens."""
     split: PrefixSplit | None = None
     """The prompts' common beginning, run once per forward pass (ppolm/prefix.py); None: plain passes."""
+    sample_logprobs: torch.Tensor | None = None
+    """(B, R) float32: each sampled token's log-prob as the sampler computed it (logits / temperature,
+    before top-k/top-p), 0 on padding; PPO compares it with its recomputed old log-probs."""
 
     @property
     def input_ids(self) -> torch.Tensor:  # (B, P + R)
@@ -50,7 +53,8 @@ class Rollout:
 
     def select(self, idx: torch.Tensor) -> Rollout:
         return Rollout(self.query[idx], self.query_mask[idx], self.response[idx], self.response_mask[idx],
-                       self.ended[idx], None if self.split is None else self.split.select(idx))
+                       self.ended[idx], None if self.split is None else self.split.select(idx),
+                       None if self.sample_logprobs is None else self.sample_logprobs[idx])
 
     def share_prefix(self) -> Rollout:
         """Find the common beginning of the prompts, for the forward passes over this rollout."""
@@ -141,7 +145,7 @@ def generate(policy: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, 
     device = next(policy.parameters()).device
     query, query_mask = left_pad(prompts, pad_id, device)
     with small_batch_linears(policy):
-        response = _decode(policy, query, query_mask, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
+        response, sample_logprobs = _decode(policy, query, query_mask, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
                            temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
                            share_prefix=share_prefix)
     if ignore_eos:
@@ -149,44 +153,49 @@ def generate(policy: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, 
         ended = torch.zeros(response.shape[0], dtype=torch.bool, device=device)
     else:
         response, mask, ended = truncate_after_eos(response, eos_id, pad_id)
-    return Rollout(query, query_mask, response, mask, ended)
+    return Rollout(query, query_mask, response, mask, ended, sample_logprobs=sample_logprobs * mask)
 
 
 def _decode(policy: torch.nn.Module, query: torch.Tensor, query_mask: torch.Tensor, *, eos_id: int, pad_id: int,
             max_new_tokens: int, temperature: float, top_p: float, top_k: int, ignore_eos: bool,
-            share_prefix: bool = True) -> torch.Tensor:
-    """(B, N) sampled ids, N <= max_new_tokens; PAD after a row's EOS."""
+            share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, N) sampled ids, N <= max_new_tokens, PAD after a row's EOS; and (B, N) their log-probs
+    under logits / temperature."""
     from ppolm import prefix
 
     b = query.shape[0]
+    trunk = backbone(policy)
+    head_w = head_weight_fp32(policy)  # fp32 once per rollout, not once per token
     split = prefix.find(query, query_mask, query.shape[1]) if share_prefix and prefix.usable(policy) else None
     if split is not None:  # prefill the common beginning once, then each row's own prompt tokens
-        _, out, mask, pos = prefix.run(policy, query, query_mask, split, logits_to_keep=1)
+        _, out, mask, pos = prefix.run(trunk, query, query_mask, split)
     else:
         mask = query_mask
         pos = position_ids_from_mask(mask)
-        out = policy(input_ids=query, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        out = trunk(input_ids=query, attention_mask=mask, position_ids=pos, use_cache=True)
     cache = out.cache
     if cache is None:
         raise ValueError(f"{type(policy).__name__} returned no key/value cache; ppolm samples with the cache")
     next_pos = pos[:, -1:] + 1
     done = torch.zeros(b, dtype=torch.bool, device=query.device)
-    tokens = []
+    tokens, logps = [], []
     for t in range(max_new_tokens):
-        logits = out.logits[:, -1].float()
+        # the same fp32 output path as every log-prob PPO recomputes (models.output_logits)
+        logits = output_logits(policy, out.last_hidden_state[:, -1], head_w)
         if ignore_eos:
             logits[:, eos_id] = -math.inf
         tok = sample_next(logits, temperature, top_p, top_k)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         tokens.append(tok)
+        logps.append(core.logprobs_from_logits(logits, tok, temperature))
         done |= tok == eos_id
         if t == max_new_tokens - 1 or (done.all() and not ignore_eos):
             break
         mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)], dim=1)
-        out = policy(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, cache=cache,
-                     use_cache=True, logits_to_keep=1)
+        out = trunk(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos, cache=cache,
+                    use_cache=True)
         next_pos = next_pos + 1
-    return torch.stack(tokens, dim=1)
+    return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
@@ -243,22 +252,16 @@ def response_hidden(model: torch.nn.Module, roll: Rollout, start: int = 0,
     return hidden[:, p - 1:p - 1 + r]
 
 
-def lm_head(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_output_embeddings()
-
-
 def tempered_logits(model: torch.nn.Module, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature at the given hidden states (B, R, d) -> (B, R, V) float32.
-
-    The LM head is linear, so (h W^T) / T = (h / T) W^T: the division touches d numbers per position
-    instead of V (576 vs 49152 for SmolLM2). The rows are made one contiguous (B*R, d) matrix first: a
-    strided 3-D input would send the head through a batched matmul with the weight expanded per row
-    (2-3x slower on a CPU)."""
+    """The model's logits / temperature at the given hidden states (B, R, d) -> (B, R, V), float32,
+    through the model's own output path in fp32 (:func:`ppolm.models.output_logits`), as the sampler
+    computes them. The rows are made one contiguous (B*R, d) matrix first: a strided 3-D input would
+    send the head through a batched matmul with the weight expanded per row (2-3x slower on a CPU)."""
     b, r, d = hidden.shape
-    x = hidden.reshape(b * r, d)
+    logits = output_logits(model, hidden.reshape(b * r, d))
     if temperature != 1.0:
-        x = x / temperature
-    return lm_head(model)(x).float().view(b, r, -1)
+        logits = logits / temperature
+    return logits.view(b, r, -1)
 
 
 def logprobs_and_entropy(model: torch.nn.Module, roll: Rollout, temperature: float,

@@ -534,13 +534,13 @@ def sft_loss(model: Any, ids: torch.Tensor, mask: torch.Tensor, loss_mask: torch
     The LM head runs only on the positions that predict a response token (position t predicts
     token t + 1), so prompt tokens are never targets and no (B, T, V) logits are materialised.
     """
-    from ppolm.models import position_ids_from_mask
-    from ppolm.rollout import backbone, lm_head
+    from ppolm.models import output_logits, position_ids_from_mask
+    from ppolm.rollout import backbone
 
     hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                              use_cache=False).last_hidden_state
     sel = loss_mask[:, 1:].bool()
-    logits = lm_head(model)(hidden[:, :-1][sel]).float()  # (N, V)
+    logits = output_logits(model, hidden[:, :-1][sel])  # (N, V), fp32, the model's own output path
     return F.cross_entropy(logits, ids[:, 1:][sel], reduction="sum"), int(sel.sum())
 
 
