@@ -547,9 +547,10 @@ class PPOTrainer:
         del fused_out
         t_train = time.perf_counter()
 
-        # 7. Adapt the KL coefficient once per batch; advance the learning-rate schedules.
+        # 7. Adapt the KL coefficient once per batch, only after an update (a skipped one leaves the
+        #    policy, hence the KL it is steering, where it was); advance the learning-rate schedules.
         mean_kl = kl.sum(1).mean().item()
-        if math.isfinite(mean_kl):
+        if not skipped and math.isfinite(mean_kl):
             self.kl_ctl.update(mean_kl, a.batch_size)
         lr, critic_lr = self.actor_sched.get_last_lr()[0], self.critic_sched.get_last_lr()[0]
         self.actor_sched.step()
@@ -829,7 +830,9 @@ class PPOTrainer:
                 tracker.log(step, metrics)
                 if samples:
                     tracker.samples(samples)
-                if self.consecutive_skips >= cfg.run.max_skipped_updates:
+                last = step + 1 == cfg.algo.steps
+                # a run that ends having skipped every update trained nothing: the same error, sooner
+                if self.consecutive_skips >= cfg.run.max_skipped_updates or (last and self.consecutive_skips > step):
                     cause = getattr(self, "skip_cause", "non-finite values")
                     raise PPOLMError(f"{self.consecutive_skips} consecutive updates skipped (last at step {step}: "
                                      f"{cause}); fix the reward or lower --actor-lr, then continue from the last "
@@ -839,7 +842,6 @@ class PPOTrainer:
                     raise PPOLMError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "
                                      "Lower --actor-lr/--critic-lr and continue from the last checkpoint with "
                                      "--resume")
-                last = step + 1 == cfg.algo.steps
                 if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
                     self.run_eval(step + 1, tracker)
                 if (step + 1) % cfg.run.save_every == 0 or last or stop["requested"]:

@@ -165,7 +165,7 @@ class RunConfig:
     overwrite: bool = False
     """Allow writing into an --output-dir that holds a different run (its files are replaced)."""
     max_skipped_updates: int = 3
-    """Abort after this many consecutive updates skipped for non-finite rewards, losses or gradients."""
+    """Abort after this many consecutive updates skipped for non-finite rewards, losses or gradients (or at the end of a run that skipped every update). A skipped update leaves the adaptive KL coefficient unchanged."""
     quiet: bool = False
     """No progress bar; one log line per step instead."""
     eval_prompts: str | None = None

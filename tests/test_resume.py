@@ -183,6 +183,9 @@ def test_nan_reward_at_one_step_is_skipped_and_counted(micro_dir, reward_file, t
     rows = tracking.read_jsonl(out / "metrics.jsonl")
     assert [r["guard/skipped_updates"] for r in rows] == [0, 1, 1, 1]
     assert rows[1]["objective/scores"] is None and rows[1]["ppo/epochs"] == 0
+    # the adaptive KL coefficient moves after an update, and stays put after a skipped one
+    beta = [r["objective/kl_coef"] for r in rows]
+    assert beta[1] != beta[0] and beta[2] == beta[1] and beta[3] != beta[2]
     # the skipped step left the weights exactly as they were; the others moved them
     w = [load_file(str(out / "checkpoints" / f"step-{i:06d}" / "tensors.safetensors")) for i in (1, 2, 3)]
     key = next(k for k in w[0] if k.startswith("policy.") and "embed" in k)
@@ -203,6 +206,28 @@ def test_inf_reward_every_step_aborts_without_saving_non_finite(micro_dir, tmp_p
     assert [r["guard/skipped_updates"] for r in tracking.read_jsonl(out / "metrics.jsonl")] == [1, 2]
     for path in checkpoint.list_checkpoints(out / "checkpoints"):  # only finite weights, from before
         assert all(torch.isfinite(t).all() for t in load_file(str(path / "tensors.safetensors")).values())
+
+
+def test_nan_reward_on_every_step_of_a_short_run_is_the_skip_error(micro_dir, tmp_path, capsys):
+    """Every update skipped and the run ends before --max-skipped-updates: the same one-line error,
+    not a summary of a run that never trained (whose last score is null)."""
+    reward = tmp_path / "nan.py"
+    reward.write_text("def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n")
+    out = tmp_path / "run"
+    assert main(ppo_args(micro_dir, reward, out, steps=2, fn="nan")) == 2
+    err = capsys.readouterr().err
+    assert "error: 2 consecutive updates skipped (last at step 1: non-finite reward (NaN/inf) from nan)" in err
+    assert "Traceback" not in err and not (out / "policy").exists()
+
+
+def test_a_skipped_last_step_still_prints_the_summary(micro_dir, tmp_path, capsys):
+    """The last step's score is null in metrics.jsonl when its update was skipped."""
+    reward = tmp_path / "late_nan.py"
+    reward.write_text("CALLS = [0]\n\ndef late_nan(prompts, completions, **kw):\n    CALLS[0] += 1\n"
+                      "    return [float('nan') if CALLS[0] == 2 else 1.0] * len(completions)\n")
+    assert main(ppo_args(micro_dir, reward, tmp_path / "run", steps=2, fn="late_nan")) == 0
+    out, err = capsys.readouterr()
+    assert "done: 2 steps, final score n/a (update skipped), KL " in out and "Traceback" not in err
 
 
 @pytest.mark.parametrize("over", [["--lora-r", "4"], ["--critic", "shared", "--kl-in", "loss", "--entropy-coef", "0.01"]],
