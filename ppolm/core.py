@@ -129,6 +129,19 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
 
 
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The KL term added to the policy loss with ``--kl-in loss`` (times beta): the masked mean of
+    the k3 estimator, whatever ``--kl-estimator`` (which sets only the reported KL); scalar.
+
+    Differentiated through the policy's log-probs of its own samples, k1 = logp - logp_ref has
+    gradient 1 per token whatever the reference (it only lowers logp), so it penalises nothing.
+    k3 = exp(r) - 1 - r, r = logp_ref - logp, has gradient 1 - p_ref/p, which pulls each token's
+    probability toward the reference's; it is unbiased and non-negative, and is GRPO's choice
+    (Shao et al. 2024, DeepSeekMath, eq. 4). Source: J. Schulman, "Approximating KL divergence" (2020).
+    """
+    return masked_mean(kl_penalty(logprobs, ref_logprobs, "k3"), mask)
+
+
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last 1 in each row of a (B, T) mask -> (B,) long.
 

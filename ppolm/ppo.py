@@ -517,9 +517,8 @@ class PPOTrainer:
                     pg_loss, pg = core.policy_loss(logp, old_logprobs[micro], advantages[micro], m_, a.clip_eps)
                     vf_loss, vf = core.value_loss(v, old_values[micro], returns[micro], m_, a.vf_clip)
                     loss = pg_loss
-                    if cfg.kl.kl_in == "loss":
-                        loss = loss + beta * core.masked_mean(
-                            core.kl_penalty(logp, ref_logprobs[micro], cfg.kl.kl_estimator), m_)
+                    if cfg.kl.kl_in == "loss":  # always k3: the k1 gradient ignores the reference
+                        loss = loss + beta * core.kl_loss(logp, ref_logprobs[micro], m_)
                     if a.entropy_coef:
                         loss = loss - a.entropy_coef * core.masked_mean(ent, m_)
                     if self.ptx_ids:

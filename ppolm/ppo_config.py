@@ -133,9 +133,9 @@ class KLConfig:
     kl_coef: float = 0.05
     """Initial KL coefficient beta (Huang et al. 2024 used 0.05)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator: k1 = logp - logp_ref (OpenAI), k2 = squared/2, k3 = exp(-x)-1+x (non-negative)."""
+    """Per-token KL estimator of the reward penalty and the reported KL: k1 = logp - logp_ref (OpenAI), k2 = squared/2, k3 = exp(-x)-1+x (non-negative). With --kl-in loss the loss term uses k3 whatever this is."""
     kl_in: Literal["reward", "loss"] = "reward"
-    """Fold the KL penalty into the per-token reward (InstructGPT), or add beta*KL to the policy loss."""
+    """Fold the KL penalty into the per-token reward (InstructGPT), or add beta*KL to the policy loss. In the loss the KL is always the k3 estimator (as GRPO; Schulman, "Approximating KL divergence"): k1's gradient does not depend on the reference, so it would pull toward nothing. --kl-estimator then sets only the reported KL (objective/kl) and the adaptive controller's input."""
     adaptive_kl: bool = True
     """Adapt beta to keep KL near --kl-target (Ziegler et al. 2019); off = fixed beta."""
     kl_target: float = 6.0
