@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         from ppolm import config
+        from ppolm.ppo import refuse_data_parallel
 
+        refuse_data_parallel()  # before anything is read or written
         cfg = config.from_cli(args._cfg_cls, args, args.command)
         _quiet_libraries()
         module, _, fn = COMMANDS[args.command][1].partition(":")

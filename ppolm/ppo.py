@@ -53,6 +53,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def refuse_data_parallel() -> None:
+    """Refuse to run as one of several processes (``torchrun --nproc-per-node N`` sets WORLD_SIZE):
+    nothing is synchronised across processes yet, so N of them would train N independent models
+    and race on one --output-dir."""
+    n = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if n != "1":
+        raise PPOLMError(f"data-parallel training is not supported yet: run one process (WORLD_SIZE={n} was set "
+                         "by torchrun or the environment)")
+
+
 def resolve_precision(name: str, device: torch.device) -> str:
     """'auto' -> bf16 where the hardware computes in bf16 natively (CUDA; CPUs with AMX or
     AVX512-BF16), else fp32: on a CPU without them bf16 is emulated and 3-5x slower than fp32."""
@@ -141,6 +151,7 @@ class PPOTrainer:
         from ppolm.data import load_prompts, load_text_corpus
         from ppolm.rewards import Rewarder, RewardFunction, RewardModel, function_name, load_reward_fn
 
+        refuse_data_parallel()
         cfg.validate()
         self.cfg = cfg
         m, a = cfg.model, cfg.algo
@@ -150,10 +161,7 @@ class PPOTrainer:
         self.precision = resolve_precision(m.precision, self.device)
         self.bf16 = self.precision == "bf16"
         frozen_dtype = torch.bfloat16 if self.bf16 else torch.float32
-        # Data-parallel readiness (torchrun sets RANK/WORLD_SIZE): a different seed per rank (OpenAI
-        # detail 17) and a disjoint slice of the prompts; no other global state.
-        self.rank, self.world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        seed_everything(cfg.run.seed + self.rank)
+        seed_everything(cfg.run.seed)
 
         # The reward comes first: a wrong spec should fail before minutes of model loading.
         specs = list(cfg.reward.reward_fn)
@@ -303,7 +311,7 @@ class PPOTrainer:
     def prompt_batch(self, step: int) -> list[Any]:
         """Prompts of a step: a fresh seeded permutation per pass over the data (resume-safe)."""
         n, b = len(self.prompts), self.cfg.algo.batch_size
-        first = (step * self.world_size + self.rank) * b  # rank r takes the r-th slice of the global batch
+        first = step * b
         out = []
         for i in range(first, first + b):
             epoch, j = divmod(i, n)

@@ -153,7 +153,7 @@ class RunConfig:
     output_dir: str = "runs/ppo"
     """Where the policy, critic, config, metrics, samples, TensorBoard events and checkpoints go."""
     seed: int = 0
-    """Random seed (each data-parallel rank adds its rank)."""
+    """Random seed (of the models' sampling, the prompt order and the minibatch shuffles)."""
     sample_every: int = 5
     """Write samples (prompt, response, score, KL) to samples.jsonl every N steps."""
     save_every: int = 10

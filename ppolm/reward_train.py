@@ -328,8 +328,9 @@ def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
 
 def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     from ppolm import checkpoint, models
-    from ppolm.ppo import resolve_device, resolve_precision, seed_everything
+    from ppolm.ppo import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
 
+    refuse_data_parallel()
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)

@@ -569,8 +569,9 @@ def train_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
 
 def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
     from ppolm import models
-    from ppolm.ppo import resolve_device, resolve_precision, seed_everything
+    from ppolm.ppo import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
 
+    refuse_data_parallel()
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)

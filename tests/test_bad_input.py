@@ -441,3 +441,32 @@ def test_sft_and_reward_resume_refuses_another_commands_run(inputs, tmp_path, ca
     check_error(main(other_argv(command, inputs, out, {"resume": True})), capsys.readouterr().err,
                 rf"does not hold a run of this command \(no {command}_config\.yaml\); choose another directory")
     assert snapshot(out) == before
+
+
+# ------------------------------------------------------------------ torchrun: one process only
+
+@pytest.mark.parametrize("command", ["ppo", "sft", "reward", "eval", "demo"])
+def test_every_command_refuses_several_processes(inputs, tmp_path, capsys, monkeypatch, command):
+    """Under torchrun (WORLD_SIZE > 1) the processes would race on one --output-dir; nothing is
+    synchronised yet, so every command refuses before reading anything."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    out = tmp_path / "out"
+    argv = {"ppo": lambda: ppo_argv(inputs, out, {"overwrite": None}),
+            "sft": lambda: other_argv("sft", inputs, out, {}),
+            "reward": lambda: other_argv("reward", inputs, out, {}),
+            "eval": lambda: ["eval", "--policy", str(inputs.model), "--reward-fn", f"{inputs.rewards}:length",
+                             "--output", str(out / "eval.json")],
+            "demo": lambda: ["demo", "--output-dir", str(out), "--quick"]}[command]()
+    check_error(main(argv), capsys.readouterr().err,
+                r"^error: data-parallel training is not supported yet: run one process \(WORLD_SIZE=2 was set by "
+                r"torchrun or the environment\)$")
+    assert not out.exists()
+
+
+def test_several_processes_refused_as_process(inputs, tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "ppolm.cli", *ppo_argv(inputs, out, {"overwrite": None})],
+                       env={**ENV, "WORLD_SIZE": "4", "RANK": "0"}, capture_output=True, text=True, timeout=300)
+    check_error(p.returncode, p.stderr, r"WORLD_SIZE=4")
+    assert not out.exists()
