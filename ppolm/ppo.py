@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,28 @@ def resolve_precision(name: str, device: torch.device) -> str:
             flags = ""
         native = "amx_bf16" in flags or "avx512_bf16" in flags
     return "bf16" if native else "fp32"
+
+
+def rng_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose generators a computation on ``device`` draws from: that device's
+    index (the current device when the index is unset), or none on a CPU."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """Run a block with its own seed on the CPU generator and, on CUDA, ``device``'s generator, and
+    restore both afterwards. (``torch.manual_seed`` would reseed every CUDA device, including ones
+    ``torch.random.fork_rng(devices=...)`` did not save, so it is not used here.)"""
+    devices = rng_devices(device)
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        for d in devices:
+            with torch.cuda.device(d):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def seed_everything(seed: int) -> None:
@@ -391,6 +414,13 @@ class PPOTrainer:
                                            completions=texts, columns=columns)
         return total.to(self.device), parts, texts
 
+    def penalise(self, scores: torch.Tensor, roll: ro.Rollout) -> torch.Tensor:
+        """The missing-EOS and length penalties on the sources' total (:func:`ppolm.core.penalise_scores`),
+        for training and held-out evaluation alike."""
+        r = self.cfg.reward
+        return core.penalise_scores(scores, roll.ended, roll.lengths, r.missing_eos_penalty, r.length_penalty,
+                                    r.length_budget)
+
     @torch.no_grad()
     def trunk_hidden(self, roll: ro.Rollout) -> torch.Tensor:
         """The frozen trunk's hidden state for a top-layers critic when no tapped pass ran this step
@@ -463,11 +493,7 @@ class PPOTrainer:
             ref_logprobs, found = self.reference_pass(roll)  # (B, R)
         with tapping():
             scores, parts, texts = self.score(roll, prompts, found=found)  # (B,)
-        if cfg.reward.missing_eos_penalty is not None:
-            scores = torch.where(roll.ended, scores, torch.full_like(scores, cfg.reward.missing_eos_penalty))
-        if cfg.reward.length_penalty:
-            over = (roll.lengths - cfg.reward.length_budget).clamp(min=0).float()
-            scores = scores - cfg.reward.length_penalty * over
+        scores = self.penalise(scores, roll)
 
         # 3. The rollout policy's own log-probs and values (the reference's came above). With one
         #    minibatch per epoch the first epoch's forward pass *is* the rollout pass (ratio 1
@@ -615,8 +641,9 @@ class PPOTrainer:
     @torch.no_grad()
     def evaluate(self, updates: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Score the held-out prompts with every training source, the eval-only scorers and the KL
-        to the reference. Sampling uses its own seed inside ``fork_rng`` so the training RNG stream,
-        and hence resume, is unaffected."""
+        to the reference. Sampling uses its own seed (:func:`seeded_rng`) so the training RNG stream,
+        and hence resume, is unaffected. eval/score is objective/scores' definition (the training
+        sources' weighted sum, with the missing-EOS and length penalties); eval/<source> is each raw."""
         from ppolm.rewards import Rewarder
 
         g, cfg = self.cfg.generation, self.cfg
@@ -625,8 +652,7 @@ class PPOTrainer:
         n_train = len(self.rewarder.functions)
         totals, all_parts, kls, lengths, rows = [], {}, [], [], []
         self.policy.eval()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.run.seed + 1_000_003)
+        with seeded_rng(cfg.run.seed + 1_000_003, self.device):
             for i in range(0, len(self.eval_prompts), cfg.run.eval_batch_size):
                 prompts = self.eval_prompts[i:i + cfg.run.eval_batch_size]
                 with self.autocast():
@@ -646,6 +672,7 @@ class PPOTrainer:
                             torch.zeros(len(prompts)))
                 if self.rewarder.models:
                     total = total + self.rewarder.model_weight * parts[_ensemble_key(self.rewarder)]
+                total = self.penalise(total, roll).cpu()  # as objective/scores; eval/<source> stay raw
                 totals.append(total)
                 for k, v in parts.items():
                     all_parts.setdefault(k, []).append(v)

@@ -169,7 +169,7 @@ class RunConfig:
     quiet: bool = False
     """No progress bar; one log line per step instead."""
     eval_prompts: str | None = None
-    """Held-out prompts scored before training and every --eval-every steps (same formats as --prompts); results in eval.jsonl (one row per evaluation, step = updates done, eval/<source> means and eval/<source>_se standard errors, eval/kl) and eval_samples.jsonl."""
+    """Held-out prompts scored before training and every --eval-every steps (same formats as --prompts); results in eval.jsonl (one row per evaluation, step = updates done, eval/score the trained-on score with the missing-EOS and length penalties as objective/scores, eval/<source> each source's raw mean and eval/<source>_se its standard error, eval/kl) and eval_samples.jsonl."""
     eval_every: int = 5
     """Evaluate on --eval-prompts every N PPO steps (and before the first and after the last)."""
     eval_batch_size: int = 32

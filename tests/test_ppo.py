@@ -256,3 +256,66 @@ def test_heldout_eval_with_eval_only_scorer_and_best_checkpoint(tiny_policy_dir,
     assert best["value"] == max(r["eval/gold"] for r in rows)
     assert best["step"] == max(rows, key=lambda r: r["eval/gold"])["step"]
     assert (out / "best" / "policy" / "model.safetensors").is_file()
+
+
+def test_rng_devices_are_the_device_in_use():
+    from ppolm.ppo import rng_devices
+
+    assert rng_devices(torch.device("cpu")) == []
+    assert rng_devices(torch.device("cuda", 1)) == [1]
+    if torch.cuda.is_available():
+        assert rng_devices(torch.device("cuda")) == [torch.cuda.current_device()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_seeded_rng_restores_the_cuda_generator():
+    from ppolm.ppo import seeded_rng
+
+    dev = torch.device("cuda")
+    before = torch.cuda.get_rng_state(dev)
+    with seeded_rng(7, dev):
+        a = torch.rand(3, device=dev)
+    with seeded_rng(7, dev):
+        assert torch.equal(torch.rand(3, device=dev), a)
+    assert torch.equal(torch.cuda.get_rng_state(dev), before)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_heldout_eval_restores_every_generator_it_seeds(tiny_policy_dir, tmp_path, reward_file, monkeypatch):
+    """evaluate() samples with its own seed and leaves the training RNG stream as it was: it seeds
+    only the generators it forks (CPU, and the CUDA device in use), never every CUDA device."""
+    held = tmp_path / "held.txt"
+    held.write_text("Say something.\nName a colour.\nCount to three.\n")
+    trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, eval_prompts=str(held),
+                                  eval_batch_size=2, response_length=4, device="cpu"))
+    seeded_all = []
+    real = torch.cuda.manual_seed_all
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: (seeded_all.append(s), real(s))[1])
+    before = torch.get_rng_state()
+    first, rows = trainer.evaluate(0)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert seeded_all == []  # torch.manual_seed would reseed every CUDA device, which fork_rng did not fork
+    torch.rand(7)  # move the training stream: the evaluation does not depend on it
+    again, rows2 = trainer.evaluate(0)
+    assert again == first and rows2 == rows
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_heldout_score_has_the_training_penalties(tiny_policy_dir, tmp_path, monkeypatch):
+    """eval/score is objective/scores' definition: the sources' weighted sum minus the length
+    penalty (the missing-EOS penalty goes through the same function); eval/<source> stays raw."""
+    rewards = tmp_path / "r.py"
+    rewards.write_text("def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    held = tmp_path / "held.txt"
+    held.write_text("Say something.\nName a colour.\nCount to three.\n")
+    # every response is exactly 6 tokens (--ignore-eos): 4 beyond the budget of 2, at 0.1 each
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "run", rewards, reward_fn=[f"{rewards}:one"], steps=1,
+                   ppo_epochs=1, response_length=6, ignore_eos=True, length_penalty=0.1, length_budget=2,
+                   eval_prompts=str(held), eval_batch_size=2)
+    trainer = PPOTrainer(cfg)
+    metrics, rows = trainer.evaluate(0)
+    assert metrics["eval/one"] == pytest.approx(1.0)
+    assert metrics["eval/score"] == pytest.approx(1.0 - 0.1 * 4, abs=1e-6)  # 0.6
+    assert [r["score"] for r in rows] == pytest.approx([0.6] * 3, abs=1e-6)
+    train, _ = trainer.step(0)
+    assert train["objective/scores"] == pytest.approx(0.6, abs=1e-6) and train["reward/one"] == 1.0
