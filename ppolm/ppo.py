@@ -139,10 +139,17 @@ def prepare_output_dir(out: Path, cfg: PPOConfig, commit: bool = False) -> None:
             if not saved.exists():
                 raise PPOLMError(f"--output-dir {out} does not hold a ppolm run (no config.yaml); "
                                  "choose another directory")
-            diff = config_difference(config.load_yaml(saved), config.to_dict(cfg))
+            before = config.load_yaml(saved)
+            diff = config_difference(before, config.to_dict(cfg))
             if diff:
                 raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); "
                                  "resume with the same options, or use --overwrite or a new --output-dir")
+            old_steps = (before.get("algo") or {}).get("steps") if isinstance(before, dict) else None
+            if cfg.algo.lr_schedule == "linear" and old_steps is not None and old_steps != cfg.algo.steps:
+                # the schedule's lambda decays over --steps: another total rescales every step's rate
+                raise PPOLMError(f"--steps changed from {old_steps} to {cfg.algo.steps} but the linear learning-rate "
+                                 f"schedule decays over --steps; resume with --steps {old_steps} (a run with "
+                                 "--lr-schedule constant can be extended)")
         else:
             raise PPOLMError(f"--output-dir {out} already holds files; pass --resume to continue that run, "
                              "--overwrite to replace it, or choose a new directory")

@@ -115,7 +115,7 @@ class AlgoConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping (global norm) per model."""
     lr_schedule: Literal["constant", "linear"] = "constant"
-    """Learning-rate schedule: constant, or linear decay to 0 over --steps (OpenAI detail 15)."""
+    """Learning-rate schedule: constant, or linear decay to 0 over --steps (OpenAI detail 15; --resume then needs the same --steps, while a constant schedule lets --resume extend a run)."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (0 = off)."""
     whiten_advantages: bool = True

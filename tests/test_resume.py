@@ -245,6 +245,23 @@ def test_stop_and_resume_variants_are_bit_identical(micro_dir, reward_file, tmp_
     assert rows_without_time(a / "metrics.jsonl") == rows_without_time(b / "metrics.jsonl")
 
 
+def test_resume_refuses_other_steps_under_a_linear_schedule(micro_dir, reward_file, tmp_path, capsys):
+    """--lr-schedule linear decays to 0 over --steps, so more steps on --resume would change the
+    learning rate of the steps already taken; with a constant schedule extending a run stays allowed
+    (test_stop_and_resume_variants_are_bit_identical)."""
+    out = tmp_path / "run"
+    assert main(ppo_args(micro_dir, reward_file, out, steps=2)) == 0  # ppo_args: --lr-schedule linear
+    capsys.readouterr()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(ppo_args(micro_dir, reward_file, out, steps=3, extra=["--resume"])) == 2
+    err = capsys.readouterr().err
+    assert ("error: --steps changed from 2 to 3 but the linear learning-rate schedule decays over --steps; "
+            "resume with --steps 2 (a run with --lr-schedule constant can be extended)") in err
+    assert "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert main(ppo_args(micro_dir, reward_file, out, steps=2, extra=["--resume"])) == 0  # same steps: fine
+
+
 def test_checkpoint_refuses_non_finite_tensors(tmp_path):
     root = tmp_path / "ckpt"
     checkpoint.save(root, 1, {"w": torch.ones(3)}, {"x": 1}, keep_last=2)
