@@ -195,10 +195,6 @@ class PPOTrainer:
 
         # The reward comes first: a wrong spec should fail before minutes of model loading.
         specs = list(cfg.reward.reward_fn)
-        if not specs and not cfg.reward.reward_model:
-            specs = ["ppolm.builtin_rewards:positive_sentiment"]
-            print("no --reward-model or --reward-fn given: using the built-in reward "
-                  "ppolm.builtin_rewards:positive_sentiment (VADER sentiment of the response)", file=sys.stderr)
         weights = cfg.reward.reward_fn_weights or [1.0] * len(specs)
         taken: set[str] = set()
         functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), w) for s, w in zip(specs, weights)]

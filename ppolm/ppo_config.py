@@ -49,7 +49,7 @@ class RewardConfig:
     reward_model: list[str] = field(default_factory=list)
     """Reward model directory (from `ppolm reward`, or any sequence-classification model with one label). Repeat for an ensemble."""
     reward_fn: list[str] = field(default_factory=list)
-    """Reward function 'path/to/file.py:function' or 'package.module:function', TRL GRPO convention f(prompts, completions, **kwargs) -> list[float]. Repeatable."""
+    """Reward function 'path/to/file.py:function' or 'package.module:function', TRL GRPO convention f(prompts, completions, **kwargs) -> list[float]. Repeatable. At least one --reward-fn or --reward-model is required; ppolm.builtin_rewards:positive_sentiment is a built-in one (VADER sentiment)."""
     reward_fn_weights: list[float] = field(default_factory=list)
     """One weight per --reward-fn, in order (default 1 each)."""
     reward_model_weight: float = 1.0
@@ -230,6 +230,9 @@ class PPOConfig:
         need(a.target_kl is None or a.target_kl > 0, "--target-kl must be > 0 (or none)")
         need(a.ptx_coef >= 0, "--ptx-coef must be >= 0")
         need(a.ptx_coef == 0 or a.ptx_data is not None, "--ptx-coef > 0 needs --ptx-data FILE (a text corpus)")
+        need(bool(r.reward_fn or r.reward_model),
+             "no reward given: pass --reward-fn FILE.py:fn (TRL GRPO convention) or --reward-model DIR; for the "
+             "built-in sentiment reward use --reward-fn ppolm.builtin_rewards:positive_sentiment")
         need(not r.reward_fn_weights or len(r.reward_fn_weights) == len(r.reward_fn),
              f"--reward-fn-weights has {len(r.reward_fn_weights)} values for {len(r.reward_fn)} --reward-fn; give one per function")
         need(r.length_penalty >= 0, "--length-penalty must be >= 0")

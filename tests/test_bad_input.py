@@ -126,7 +126,7 @@ def snapshot(root: Path) -> dict[str, tuple] | None:
 def previous_run(out: Path, **cfg_over) -> None:
     """An output directory as a finished earlier run left it."""
     out.mkdir(parents=True)
-    base = dict(model="earlier-model", steps=3, ppo_epochs=2)
+    base = dict(model="earlier-model", reward_fn=["earlier_rewards.py:fn"], steps=3, ppo_epochs=2)
     base.update(cfg_over)
     config.save_yaml(config.build(PPOConfig, base), out / "config.yaml")
     (out / "metrics.jsonl").write_text('{"step": 0, "objective/scores": 0.5}\n')
@@ -216,6 +216,9 @@ CASES = [
     ("reward-model-bad-norm-file", lambda i, t: {"reward_model": i.bad_norm_rm, "reward_fn": None},
      r"ppolm_reward\.json is malformed; it must hold \{\"gain\": number, \"bias\": number\}"),
     # --- reward functions
+    ("no-reward", lambda i, t: {"reward_fn": None},
+     r"^error: no reward given: pass --reward-fn FILE\.py:fn \(TRL GRPO convention\) or --reward-model DIR; for "
+     r"the built-in sentiment reward use --reward-fn ppolm\.builtin_rewards:positive_sentiment$"),
     ("reward-spec-without-colon", lambda i, t: {"reward_fn": "rewards.py"},
      r"reward function 'rewards\.py' must be 'path/to/file\.py:function' or 'package\.module:function'"),
     ("reward-file-missing", lambda i, t: {"reward_fn": f"{t}/nope.py:f"}, r"reward function file .*nope\.py does not exist"),

@@ -216,8 +216,8 @@ def test_config_yaml_and_cli_override(tmp_path):
     p = argparse.ArgumentParser()
     p.add_argument("--config")
     add_arguments(p, PPOConfig)
-    cfg = from_cli(PPOConfig, p.parse_args(["--config", str(f), "--minibatches", "8", "--no-whiten-advantages"]),
-                   "ppo")
+    cfg = from_cli(PPOConfig, p.parse_args(["--config", str(f), "--minibatches", "8", "--no-whiten-advantages",
+                                            "--reward-fn", "ppolm.builtin_rewards:positive_sentiment"]), "ppo")
     assert (cfg.algo.ppo_epochs, cfg.algo.batch_size, cfg.algo.minibatches) == (3, 16, 8)
     assert cfg.algo.whiten_advantages is False and cfg.minibatch_size == 2
 

@@ -159,6 +159,7 @@ def test_report_without_gold_or_eval(tiny_policy_dir, tmp_path):
 
     out = tmp_path / "plain"
     train_ppo(config.build(PPOConfig, dict(model=str(tiny_policy_dir), steps=2, batch_size=2, minibatches=1,
+                                           reward_fn=["ppolm.builtin_rewards:positive_sentiment"],
                                            ppo_epochs=1, response_length=6, output_dir=str(out), quiet=True,
                                            precision="fp32", save_every=10)))
     assert cli.main(["report", "--run-dir", str(out)]) == 0
