@@ -175,6 +175,29 @@ def config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
     return ""
 
 
+class PromptOrder:
+    """Which prompt each rollout row gets. Row i of the run (step s holds rows s*B .. s*B + B - 1)
+    takes position i mod n of pass i // n's permutation, drawn from ``seed`` and the pass number
+    alone: the prompts of a step depend only on the seed and the step, so a resumed run picks the
+    same ones. Each pass's permutation is drawn once and kept until the next pass begins: O(B) per
+    step, amortised, instead of an O(n) permutation per row."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.epoch, self.perm = -1, []  # the cached pass and its permutation
+
+    def permutation(self, epoch: int) -> list[int]:
+        if epoch != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+            self.perm, self.epoch = torch.randperm(self.n, generator=g).tolist(), epoch
+        return self.perm
+
+    def indices(self, step: int, batch_size: int) -> list[int]:
+        """The prompt indices of ``step``'s batch."""
+        first = step * batch_size
+        return [self.permutation(i // self.n)[i % self.n] for i in range(first, first + batch_size)]
+
+
 class PPOTrainer:
     def __init__(self, cfg: PPOConfig):
         from ppolm import models
@@ -325,6 +348,7 @@ class PPOTrainer:
         k = cfg.kl
         self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon) if k.adaptive_kl
                        else core.FixedKLController(k.kl_coef))
+        self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
         self.skipped_total = 0
         self.consecutive_skips = 0
         self.start_step = 0
@@ -336,14 +360,7 @@ class PPOTrainer:
 
     def prompt_batch(self, step: int) -> list[Any]:
         """Prompts of a step: a fresh seeded permutation per pass over the data (resume-safe)."""
-        n, b = len(self.prompts), self.cfg.algo.batch_size
-        first = step * b
-        out = []
-        for i in range(first, first + b):
-            epoch, j = divmod(i, n)
-            g = torch.Generator().manual_seed(self.cfg.run.seed * 100003 + epoch)
-            out.append(self.prompts[int(torch.randperm(n, generator=g)[j])])
-        return out
+        return [self.prompts[i] for i in self.prompt_order.indices(step, self.cfg.algo.batch_size)]
 
     def forward_train(self, roll: ro.Rollout, need_entropy_grad: bool,
                       trunk: torch.Tensor | None = None,

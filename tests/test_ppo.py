@@ -319,3 +319,32 @@ def test_heldout_score_has_the_training_penalties(tiny_policy_dir, tmp_path, mon
     assert [r["score"] for r in rows] == pytest.approx([0.6] * 3, abs=1e-6)
     train, _ = trainer.step(0)
     assert train["objective/scores"] == pytest.approx(0.6, abs=1e-6) and train["reward/one"] == 1.0
+
+
+def old_prompt_indices(n, b, seed, step):
+    """The prompt order as first defined: row i of the run is position i mod n of pass i // n's permutation."""
+    out = []
+    for i in range(step * b, step * b + b):
+        epoch, j = divmod(i, n)
+        out.append(int(torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))[j]))
+    return out
+
+
+def test_prompt_order_is_unchanged_and_draws_each_permutation_once(monkeypatch):
+    from ppolm.ppo import PromptOrder
+
+    # 5 prompts, batches of 3: steps 0..6 cross four passes over the data, some mid-batch
+    order = PromptOrder(5, seed=2)
+    assert [order.indices(s, 3) for s in range(7)] == [old_prompt_indices(5, 3, 2, s) for s in range(7)]
+    # resume-safe: a fresh order asked for step 4 first gives the same rows
+    assert PromptOrder(5, seed=2).indices(4, 3) == old_prompt_indices(5, 3, 2, 4)
+    # a batch larger than the prompt set takes several passes in one step
+    assert PromptOrder(2, seed=0).indices(1, 5) == old_prompt_indices(2, 5, 0, 1)
+
+    calls = []
+    real = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
+    big = PromptOrder(100_000, seed=0)
+    rows = [big.indices(s, 8) for s in range(100)]
+    assert calls == [100_000]  # one permutation for the pass, not one per row (800)
+    assert len({i for r in rows for i in r}) == 800  # a permutation: no prompt twice within a pass
