@@ -287,7 +287,8 @@ def test_disk_full_or_denied_while_saving_keeps_previous_checkpoint(micro_dir, r
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     out = tmp_path / "run"
-    args = ppo_args(micro_dir, reward_file, out, steps=4) + ["--keep-last", "5"]
+    # a constant learning rate, so that the run can be extended below
+    args = ppo_args(micro_dir, reward_file, out, steps=4) + ["--keep-last", "5", "--lr-schedule", "constant"]
     assert main(args) == 2
     err_text = capsys.readouterr().err
     lines = [ln for ln in err_text.splitlines() if ln.startswith("error:")]
@@ -309,7 +310,8 @@ def test_disk_full_or_denied_while_saving_keeps_previous_checkpoint(micro_dir, r
 
     monkeypatch.setattr(ppolm.models, "save_pretrained", denied)
     capsys.readouterr()
-    assert main(ppo_args(micro_dir, reward_file, out, steps=5) + ["--keep-last", "5", "--resume"]) == 2
+    assert main(ppo_args(micro_dir, reward_file, out, steps=5) + ["--keep-last", "5", "--lr-schedule", "constant",
+                                                                 "--resume"]) == 2
     err_text = capsys.readouterr().err
     assert "error: permission denied while writing the final policy/critic" in err_text
     assert "Traceback" not in err_text
