@@ -1,8 +1,8 @@
 """Reward functions that ship with ppolm (TRL GRPO convention), usable as
 ``--reward-fn ppolm.builtin_rewards:NAME``.
 
-``positive_sentiment`` is the default reward of ``ppolm ppo`` when none is given: VADER's compound
-sentiment score (Hutto & Gilbert 2014) of the completion, in [-1, 1]. Rule-based, instant on a CPU,
+``positive_sentiment`` (``ppolm ppo --reward-fn ppolm.builtin_rewards:positive_sentiment``): VADER's
+compound sentiment score (Hutto & Gilbert 2014) of the completion, in [-1, 1]. Rule-based, instant on a CPU,
 and easy to read in samples, so a first run shows PPO learning.
 """
 

@@ -43,8 +43,13 @@ def run_ppo(cfg: Any) -> int:
     if result.interrupted:
         return 130
     last = result.metrics[-1] if result.metrics else {}
-    print(f"done: {len(result.metrics)} steps, final score {last.get('objective/scores', float('nan')):+.4f}, "
-          f"KL {last.get('objective/kl', float('nan')):.3f}; policy saved to {result.output_dir / 'policy'}")
+
+    def num(key: str, spec: str) -> str:  # a skipped step's score is null in metrics.jsonl
+        v = last.get(key)
+        return format(v, spec) if isinstance(v, (int, float)) else "n/a (update skipped)"
+
+    print(f"done: {len(result.metrics)} steps, final score {num('objective/scores', '+.4f')}, "
+          f"KL {num('objective/kl', '.3f')}; policy saved to {result.output_dir / 'policy'}")
     return 0
 
 
@@ -77,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         from ppolm import config
+        from ppolm.ppo import refuse_data_parallel
 
+        refuse_data_parallel()  # before anything is read or written
         cfg = config.from_cli(args._cfg_cls, args, args.command)
         _quiet_libraries()
         module, _, fn = COMMANDS[args.command][1].partition(":")

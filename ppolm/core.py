@@ -129,6 +129,37 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
     raise ValueError(f"unknown KL estimator {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
 
 
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The KL term added to the policy loss with ``--kl-in loss`` (times beta): the masked mean of
+    the k3 estimator, whatever ``--kl-estimator`` (which sets only the reported KL); scalar.
+
+    Differentiated through the policy's log-probs of its own samples, k1 = logp - logp_ref has
+    gradient 1 per token whatever the reference (it only lowers logp), so it penalises nothing.
+    k3 = exp(r) - 1 - r, r = logp_ref - logp, has gradient 1 - p_ref/p, which pulls each token's
+    probability toward the reference's; it is unbiased and non-negative, and is GRPO's choice
+    (Shao et al. 2024, DeepSeekMath, eq. 4). Source: J. Schulman, "Approximating KL divergence" (2020).
+    """
+    return masked_mean(kl_penalty(logprobs, ref_logprobs, "k3"), mask)
+
+
+def penalise_scores(scores: torch.Tensor, ended: torch.Tensor, lengths: torch.Tensor,
+                    missing_eos_penalty: float | None = None, length_penalty: float = 0.0,
+                    length_budget: int = 0) -> torch.Tensor:
+    """The score PPO maximises, from the sources' total; (B,) -> (B,).
+
+    A response that never emitted EOS (``ended`` False) gets ``missing_eos_penalty`` instead of its
+    score (OpenAI's lm-human-preferences, detail 4; None = off); then ``length_penalty`` per response
+    token beyond ``length_budget`` is subtracted: score - length_penalty * max(0, length - budget).
+    The same definition serves training (objective/scores) and held-out evaluation (eval/score).
+    """
+    if missing_eos_penalty is not None:
+        scores = torch.where(ended.to(scores.device), scores, torch.full_like(scores, missing_eos_penalty))
+    if length_penalty:
+        over = (lengths.to(scores.device) - length_budget).clamp(min=0).to(scores.dtype)
+        scores = scores - length_penalty * over
+    return scores
+
+
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last 1 in each row of a (B, T) mask -> (B,) long.
 

@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,38 @@ class PPOResult:
 def train_ppo(cfg: PPOConfig) -> PPOResult:
     """Run PPO as configured (the Python twin of ``ppolm ppo``); returns the metrics rows."""
     return PPOTrainer(cfg).train()
+
+
+def refuse_data_parallel() -> None:
+    """Refuse to run as one of several processes (``torchrun --nproc-per-node N`` sets WORLD_SIZE):
+    nothing is synchronised across processes yet, so N of them would train N independent models
+    and race on one --output-dir."""
+    n = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if n != "1":
+        raise PPOLMError(f"data-parallel training is not supported yet: run one process (WORLD_SIZE={n} was set "
+                         "by torchrun or the environment)")
+
+
+def rng_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose generators a computation on ``device`` draws from: that device's
+    index (the current device when the index is unset), or none on a CPU."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """Run a block with its own seed on the CPU generator and, on CUDA, ``device``'s generator, and
+    restore both afterwards. (``torch.manual_seed`` would reseed every CUDA device, including ones
+    ``torch.random.fork_rng(devices=...)`` did not save, so it is not used here.)"""
+    devices = rng_devices(device)
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        for d in devices:
+            with torch.cuda.device(d):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def seed_everything(seed: int) -> None:
@@ -81,10 +114,17 @@ def prepare_output_dir(out: Path, cfg: PPOConfig, commit: bool = False) -> None:
             if not saved.exists():
                 raise PPOLMError(f"--output-dir {out} does not hold a ppolm run (no config.yaml); "
                                  "choose another directory")
-            diff = config_difference(config.load_yaml(saved), config.to_dict(cfg))
+            before = config.load_yaml(saved)
+            diff = config_difference(before, config.to_dict(cfg))
             if diff:
                 raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); "
                                  "resume with the same options, or use --overwrite or a new --output-dir")
+            old_steps = (before.get("algo") or {}).get("steps") if isinstance(before, dict) else None
+            if cfg.algo.lr_schedule == "linear" and old_steps is not None and old_steps != cfg.algo.steps:
+                # the schedule's lambda decays over --steps: another total rescales every step's rate
+                raise PPOLMError(f"--steps changed from {old_steps} to {cfg.algo.steps} but the linear learning-rate "
+                                 f"schedule decays over --steps; resume with --steps {old_steps} (a run with "
+                                 "--lr-schedule constant can be extended)")
         else:
             raise PPOLMError(f"--output-dir {out} already holds files; pass --resume to continue that run, "
                              "--overwrite to replace it, or choose a new directory")
@@ -110,12 +150,36 @@ def config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
     return ""
 
 
+class PromptOrder:
+    """Which prompt each rollout row gets. Row i of the run (step s holds rows s*B .. s*B + B - 1)
+    takes position i mod n of pass i // n's permutation, drawn from ``seed`` and the pass number
+    alone: the prompts of a step depend only on the seed and the step, so a resumed run picks the
+    same ones. Each pass's permutation is drawn once and kept until the next pass begins: O(B) per
+    step, amortised, instead of an O(n) permutation per row."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.epoch, self.perm = -1, []  # the cached pass and its permutation
+
+    def permutation(self, epoch: int) -> list[int]:
+        if epoch != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+            self.perm, self.epoch = torch.randperm(self.n, generator=g).tolist(), epoch
+        return self.perm
+
+    def indices(self, step: int, batch_size: int) -> list[int]:
+        """The prompt indices of ``step``'s batch."""
+        first = step * batch_size
+        return [self.permutation(i // self.n)[i % self.n] for i in range(first, first + batch_size)]
+
+
 class PPOTrainer:
     def __init__(self, cfg: PPOConfig):
         from ppolm import models
         from ppolm.data import load_prompts, load_text_corpus
         from ppolm.rewards import Rewarder, RewardFunction, RewardModel, function_name, load_reward_fn
 
+        refuse_data_parallel()
         cfg.validate()
         self.cfg = cfg
         m, a = cfg.model, cfg.algo
@@ -125,17 +189,10 @@ class PPOTrainer:
         # bf16: every model computes in bf16, trained weights keep fp32 masters (ppolm/precision.py)
         self.precision = resolve_precision(m.precision, self.device)
         self.dtype = precision.dtype_of(self.precision)
-        # Data-parallel readiness (torchrun sets RANK/WORLD_SIZE): a different seed per rank (OpenAI
-        # detail 17) and a disjoint slice of the prompts; no other global state.
-        self.rank, self.world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        seed_everything(cfg.run.seed + self.rank)
+        seed_everything(cfg.run.seed)
 
         # The reward comes first: a wrong spec should fail before minutes of model loading.
         specs = list(cfg.reward.reward_fn)
-        if not specs and not cfg.reward.reward_model:
-            specs = ["ppolm.builtin_rewards:positive_sentiment"]
-            print("no --reward-model or --reward-fn given: using the built-in reward "
-                  "ppolm.builtin_rewards:positive_sentiment (VADER sentiment of the response)", file=sys.stderr)
         weights = cfg.reward.reward_fn_weights or [1.0] * len(specs)
         taken: set[str] = set()
         functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), w) for s, w in zip(specs, weights)]
@@ -269,6 +326,7 @@ class PPOTrainer:
         k = cfg.kl
         self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon) if k.adaptive_kl
                        else core.FixedKLController(k.kl_coef))
+        self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
         self.skipped_total = 0
         self.consecutive_skips = 0
         self.start_step = 0
@@ -277,14 +335,7 @@ class PPOTrainer:
     # ----------------------------------------------------------------------------------------
     def prompt_batch(self, step: int) -> list[Any]:
         """Prompts of a step: a fresh seeded permutation per pass over the data (resume-safe)."""
-        n, b = len(self.prompts), self.cfg.algo.batch_size
-        first = (step * self.world_size + self.rank) * b  # rank r takes the r-th slice of the global batch
-        out = []
-        for i in range(first, first + b):
-            epoch, j = divmod(i, n)
-            g = torch.Generator().manual_seed(self.cfg.run.seed * 100003 + epoch)
-            out.append(self.prompts[int(torch.randperm(n, generator=g)[j])])
-        return out
+        return [self.prompts[i] for i in self.prompt_order.indices(step, self.cfg.algo.batch_size)]
 
     def forward_train(self, roll: ro.Rollout, need_entropy_grad: bool,
                       trunk: torch.Tensor | None = None,
@@ -365,6 +416,13 @@ class PPOTrainer:
                                            completions=texts, columns=columns)
         return total.to(self.device), parts, texts
 
+    def penalise(self, scores: torch.Tensor, roll: ro.Rollout) -> torch.Tensor:
+        """The missing-EOS and length penalties on the sources' total (:func:`ppolm.core.penalise_scores`),
+        for training and held-out evaluation alike."""
+        r = self.cfg.reward
+        return core.penalise_scores(scores, roll.ended, roll.lengths, r.missing_eos_penalty, r.length_penalty,
+                                    r.length_budget)
+
     @torch.no_grad()
     def trunk_hidden(self, roll: ro.Rollout) -> torch.Tensor:
         """The frozen trunk's hidden state for a top-layers critic when no tapped pass ran this step
@@ -439,11 +497,7 @@ class PPOTrainer:
             ref_logprobs, found = self.reference_pass(roll)  # (B, R)
         with tapping():
             scores, parts, texts = self.score(roll, prompts, found=found)  # (B,)
-        if cfg.reward.missing_eos_penalty is not None:
-            scores = torch.where(roll.ended, scores, torch.full_like(scores, cfg.reward.missing_eos_penalty))
-        if cfg.reward.length_penalty:
-            over = (roll.lengths - cfg.reward.length_budget).clamp(min=0).float()
-            scores = scores - cfg.reward.length_penalty * over
+        scores = self.penalise(scores, roll)
 
         # 3. The rollout policy's own log-probs and values (the reference's came above). With one
         #    minibatch per epoch the first epoch's forward pass *is* the rollout pass (ratio 1
@@ -501,9 +555,8 @@ class PPOTrainer:
                     pg_loss, pg = core.policy_loss(logp, old_logprobs[micro], advantages[micro], m_, a.clip_eps)
                     vf_loss, vf = core.value_loss(v, old_values[micro], returns[micro], m_, a.vf_clip)
                     loss = pg_loss
-                    if cfg.kl.kl_in == "loss":
-                        loss = loss + beta * core.masked_mean(
-                            core.kl_penalty(logp, ref_logprobs[micro], cfg.kl.kl_estimator), m_)
+                    if cfg.kl.kl_in == "loss":  # always k3: the k1 gradient ignores the reference
+                        loss = loss + beta * core.kl_loss(logp, ref_logprobs[micro], m_)
                     if a.entropy_coef:
                         loss = loss - a.entropy_coef * core.masked_mean(ent, m_)
                     if self.ptx_ids:
@@ -533,9 +586,10 @@ class PPOTrainer:
         del fused_out
         t_train = time.perf_counter()
 
-        # 7. Adapt the KL coefficient once per batch; advance the learning-rate schedules.
+        # 7. Adapt the KL coefficient once per batch, only after an update (a skipped one leaves the
+        #    policy, hence the KL it is steering, where it was); advance the learning-rate schedules.
         mean_kl = kl.sum(1).mean().item()
-        if math.isfinite(mean_kl):
+        if not skipped and math.isfinite(mean_kl):
             self.kl_ctl.update(mean_kl, a.batch_size)
         lr, critic_lr = self.actor_sched.get_last_lr()[0], self.critic_sched.get_last_lr()[0]
         self.actor_sched.step()
@@ -597,8 +651,9 @@ class PPOTrainer:
     @torch.no_grad()
     def evaluate(self, updates: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Score the held-out prompts with every training source, the eval-only scorers and the KL
-        to the reference. Sampling uses its own seed inside ``fork_rng`` so the training RNG stream,
-        and hence resume, is unaffected."""
+        to the reference. Sampling uses its own seed (:func:`seeded_rng`) so the training RNG stream,
+        and hence resume, is unaffected. eval/score is objective/scores' definition (the training
+        sources' weighted sum, with the missing-EOS and length penalties); eval/<source> is each raw."""
         from ppolm.rewards import Rewarder
 
         g, cfg = self.cfg.generation, self.cfg
@@ -607,8 +662,7 @@ class PPOTrainer:
         n_train = len(self.rewarder.functions)
         totals, all_parts, kls, lengths, rows = [], {}, [], [], []
         self.policy.eval()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.run.seed + 1_000_003)
+        with seeded_rng(cfg.run.seed + 1_000_003, self.device):
             for i in range(0, len(self.eval_prompts), cfg.run.eval_batch_size):
                 prompts = self.eval_prompts[i:i + cfg.run.eval_batch_size]
                 roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
@@ -626,6 +680,7 @@ class PPOTrainer:
                             torch.zeros(len(prompts)))
                 if self.rewarder.models:
                     total = total + self.rewarder.model_weight * parts[_ensemble_key(self.rewarder)]
+                total = self.penalise(total, roll).cpu()  # as objective/scores; eval/<source> stay raw
                 totals.append(total)
                 for k, v in parts.items():
                     all_parts.setdefault(k, []).append(v)
@@ -824,7 +879,9 @@ class PPOTrainer:
                 tracker.log(step, metrics)
                 if samples:
                     tracker.samples(samples)
-                if self.consecutive_skips >= cfg.run.max_skipped_updates:
+                last = step + 1 == cfg.algo.steps
+                # a run that ends having skipped every update trained nothing: the same error, sooner
+                if self.consecutive_skips >= cfg.run.max_skipped_updates or (last and self.consecutive_skips > step):
                     cause = getattr(self, "skip_cause", "non-finite values")
                     raise PPOLMError(f"{self.consecutive_skips} consecutive updates skipped (last at step {step}: "
                                      f"{cause}); fix the reward or lower --actor-lr, then continue from the last "
@@ -834,7 +891,6 @@ class PPOTrainer:
                     raise PPOLMError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "
                                      "Lower --actor-lr/--critic-lr and continue from the last checkpoint with "
                                      "--resume")
-                last = step + 1 == cfg.algo.steps
                 if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
                     self.run_eval(step + 1, tracker)
                 if (step + 1) % cfg.run.save_every == 0 or last or stop["requested"]:

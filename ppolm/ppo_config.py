@@ -49,7 +49,7 @@ class RewardConfig:
     reward_model: list[str] = field(default_factory=list)
     """Reward model directory (from `ppolm reward`, or any sequence-classification model with one label). Repeat for an ensemble."""
     reward_fn: list[str] = field(default_factory=list)
-    """Reward function 'path/to/file.py:function' or 'package.module:function', TRL GRPO convention f(prompts, completions, **kwargs) -> list[float]. Repeatable."""
+    """Reward function 'path/to/file.py:function' or 'package.module:function', TRL GRPO convention f(prompts, completions, **kwargs) -> list[float]. Repeatable. At least one --reward-fn or --reward-model is required; ppolm.builtin_rewards:positive_sentiment is a built-in one (VADER sentiment)."""
     reward_fn_weights: list[float] = field(default_factory=list)
     """One weight per --reward-fn, in order (default 1 each)."""
     reward_model_weight: float = 1.0
@@ -115,7 +115,7 @@ class AlgoConfig:
     max_grad_norm: float = 1.0
     """Gradient clipping (global norm) per model."""
     lr_schedule: Literal["constant", "linear"] = "constant"
-    """Learning-rate schedule: constant, or linear decay to 0 over --steps (OpenAI detail 15)."""
+    """Learning-rate schedule: constant, or linear decay to 0 over --steps (OpenAI detail 15; --resume then needs the same --steps, while a constant schedule lets --resume extend a run)."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (0 = off)."""
     whiten_advantages: bool = True
@@ -133,9 +133,9 @@ class KLConfig:
     kl_coef: float = 0.05
     """Initial KL coefficient beta (Huang et al. 2024 used 0.05)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator: k1 = logp - logp_ref (OpenAI), k2 = squared/2, k3 = exp(-x)-1+x (non-negative)."""
+    """Per-token KL estimator of the reward penalty and the reported KL: k1 = logp - logp_ref (OpenAI), k2 = squared/2, k3 = exp(-x)-1+x (non-negative). With --kl-in loss the loss term uses k3 whatever this is."""
     kl_in: Literal["reward", "loss"] = "reward"
-    """Fold the KL penalty into the per-token reward (InstructGPT), or add beta*KL to the policy loss."""
+    """Fold the KL penalty into the per-token reward (InstructGPT), or add beta*KL to the policy loss. In the loss the KL is always the k3 estimator (as GRPO; Schulman, "Approximating KL divergence"): k1's gradient does not depend on the reference, so it would pull toward nothing. --kl-estimator then sets only the reported KL (objective/kl) and the adaptive controller's input."""
     adaptive_kl: bool = True
     """Adapt beta to keep KL near --kl-target (Ziegler et al. 2019); off = fixed beta."""
     kl_target: float = 6.0
@@ -153,7 +153,7 @@ class RunConfig:
     output_dir: str = "runs/ppo"
     """Where the policy, critic, config, metrics, samples, TensorBoard events and checkpoints go."""
     seed: int = 0
-    """Random seed (each data-parallel rank adds its rank)."""
+    """Random seed (of the models' sampling, the prompt order and the minibatch shuffles)."""
     sample_every: int = 5
     """Write samples (prompt, response, score, KL) to samples.jsonl every N steps."""
     save_every: int = 10
@@ -165,11 +165,11 @@ class RunConfig:
     overwrite: bool = False
     """Allow writing into an --output-dir that holds a different run (its files are replaced)."""
     max_skipped_updates: int = 3
-    """Abort after this many consecutive updates skipped for non-finite rewards, losses or gradients."""
+    """Abort after this many consecutive updates skipped for non-finite rewards, losses or gradients (or at the end of a run that skipped every update). A skipped update leaves the adaptive KL coefficient unchanged."""
     quiet: bool = False
     """No progress bar; one log line per step instead."""
     eval_prompts: str | None = None
-    """Held-out prompts scored before training and every --eval-every steps (same formats as --prompts); results in eval.jsonl (one row per evaluation, step = updates done, eval/<source> means and eval/<source>_se standard errors, eval/kl) and eval_samples.jsonl."""
+    """Held-out prompts scored before training and every --eval-every steps (same formats as --prompts); results in eval.jsonl (one row per evaluation, step = updates done, eval/score the trained-on score with the missing-EOS and length penalties as objective/scores, eval/<source> each source's raw mean and eval/<source>_se its standard error, eval/kl) and eval_samples.jsonl."""
     eval_every: int = 5
     """Evaluate on --eval-prompts every N PPO steps (and before the first and after the last)."""
     eval_batch_size: int = 32
@@ -230,6 +230,9 @@ class PPOConfig:
         need(a.target_kl is None or a.target_kl > 0, "--target-kl must be > 0 (or none)")
         need(a.ptx_coef >= 0, "--ptx-coef must be >= 0")
         need(a.ptx_coef == 0 or a.ptx_data is not None, "--ptx-coef > 0 needs --ptx-data FILE (a text corpus)")
+        need(bool(r.reward_fn or r.reward_model),
+             "no reward given: pass --reward-fn FILE.py:fn (TRL GRPO convention) or --reward-model DIR; for the "
+             "built-in sentiment reward use --reward-fn ppolm.builtin_rewards:positive_sentiment")
         need(not r.reward_fn_weights or len(r.reward_fn_weights) == len(r.reward_fn),
              f"--reward-fn-weights has {len(r.reward_fn_weights)} values for {len(r.reward_fn)} --reward-fn; give one per function")
         need(r.length_penalty >= 0, "--length-penalty must be >= 0")

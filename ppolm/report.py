@@ -105,6 +105,52 @@ def _err(rows: list[dict[str, Any]], y: str) -> list[float]:
     return [r.get(y + "_se") if _num(r.get(y + "_se")) else 0.0 for r in rows if _num(r.get(y))]
 
 
+def _eval_only_metrics(cfg: dict[str, Any]) -> list[str]:
+    """eval/<name> of each --eval-reward-fn, named as ppolm.rewards.function_name names them (the
+    function's name, suffixed _2, _3 ... after the training functions' names when taken)."""
+    def section(name: str) -> dict[str, Any]:
+        v = cfg.get(name)
+        return v if isinstance(v, dict) else {}
+
+    taken: set[str] = set()
+    names = []
+    for i, spec in enumerate(list(section("reward").get("reward_fn") or []) + list(section("run").get("eval_reward_fn") or [])):
+        name = base = str(spec).rpartition(":")[2]
+        k = 2
+        while name in taken:
+            name, k = f"{base}_{k}", k + 1
+        taken.add(name)
+        if i >= len(section("reward").get("reward_fn") or []):
+            names.append(f"eval/{name}")
+    return names
+
+
+def reward_vs_kl_panels(run: Run) -> list[dict[str, Any]]:
+    """The data of the reward-vs-KL plot (Gao, Schulman & Hilton 2022): one panel per reward, each
+    with its own y-scale, its points ``{"kl", "y", "se", "step"}`` in KL order. With held-out
+    evaluations: the trained-on score (eval/score), then the gold metric and the other eval-only
+    scorers; without, the training batches' score against their KL."""
+    def points(rows: list[dict[str, Any]], key: str, kl: str) -> list[dict[str, Any]]:
+        pts = [{"kl": r[kl], "y": r[key], "se": r[key + "_se"] if _num(r.get(key + "_se")) else 0.0,
+                "step": r.get("step")} for r in rows if _num(r.get(kl)) and _num(r.get(key))]
+        return sorted(pts, key=lambda p: (p["kl"], p["step"] if _num(p["step"]) else 0))
+
+    if not run.evals:
+        return [{"key": "objective/scores", "title": "Proxy reward vs KL (training batches)",
+                 "ylabel": "proxy reward (mean score)", "points": points(run.metrics, "objective/scores", "objective/kl")}]
+    keys = ["eval/score"] + ([run.gold] if run.gold else [])
+    keys += [k for k in _eval_only_metrics(run.config) if k not in keys and any(k in r for r in run.evals)]
+    panels = []
+    for k in keys:
+        name = k.removeprefix("eval/")
+        role = "proxy" if k == "eval/score" else "gold" if k == run.gold else "eval-only"
+        panels.append({"key": k, "title": f"{'Proxy' if role == 'proxy' else name} vs KL" +
+                       (" (gold)" if role == "gold" else ""),
+                       "ylabel": "proxy reward, trained-on score (held-out mean)" if role == "proxy"
+                       else f"{name} (held-out mean)", "points": points(run.evals, k, "eval/kl")})
+    return panels
+
+
 def make_plots(run: Run, out: Path) -> dict[str, tuple[str, Path]]:
     """Write the PNGs; returns name -> (caption, path)."""
     import matplotlib
@@ -149,24 +195,35 @@ def make_plots(run: Run, out: Path) -> dict[str, tuple[str, Path]]:
     save(fig, "rewards_vs_step", "Proxy (the trained-on reward) and gold reward against PPO steps." if gold
          else "The reward PPO maximises, on training batches and held-out prompts, against PPO steps.")
 
-    # 2. rewards vs KL: the Gao et al. plot
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    if ev:
-        line(ax, ev, "eval/score", "proxy (held-out)", x="eval/kl", color="tab:blue")
-        ax.set_ylabel("proxy reward (held-out mean)")
-        if gold:
-            ax2 = ax.twinx()
-            line(ax2, ev, gold, "gold (held-out)", x="eval/kl", color="tab:green")
-            ax2.set_ylabel("gold reward (held-out mean)", color="tab:green")
-            ax2.legend(loc="lower right", fontsize=8)
-        ax.set_xlabel("KL(policy || reference), nats per response (held-out)")
-    else:
-        line(ax, m, "objective/scores", "proxy, training batch", x="objective/kl")
-        ax.set(xlabel="KL(policy || reference), nats per response", ylabel="proxy reward (mean score)")
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_title("Reward vs KL (Gao et al. 2022)")
-    save(fig, "rewards_vs_kl", "Reward against KL to the reference: a proxy that keeps rising while the gold "
-                               "reward peaks and falls is over-optimisation." if gold else
+    # 2. rewards vs KL: the Gao et al. plot, one panel (and y-scale) per reward, points in KL order
+    panels = reward_vs_kl_panels(run)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 0.8, 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        pts = panel["points"]
+        xs, ys, se = [p["kl"] for p in pts], [p["y"] for p in pts], [p["se"] for p in pts]
+        color = "tab:green" if panel["key"] == gold else "tab:blue" if panel["key"] in ("eval/score",
+                                                                                          "objective/scores") else "tab:purple"
+        if ev:
+            ax.errorbar(xs, ys, yerr=se if any(se) else None, marker="o", capsize=3, color=color, lw=1)
+            for p in pts:  # each evaluation labelled with the PPO steps done
+                ax.annotate(str(p["step"]), (p["kl"], p["y"]), textcoords="offset points", xytext=(4, 5),
+                            fontsize=8, color="dimgrey")
+            best = [p for p in pts if best_step is not None and p["step"] == best_step]
+            if best:
+                ax.scatter([best[0]["kl"]], [best[0]["y"]], s=160, facecolors="none", edgecolors="grey", zorder=3,
+                           label=f"best gold (step {best_step})")
+                ax.legend(fontsize=8, loc="best")
+            ax.set_xlabel("KL(policy || reference), nats per response (held-out)")
+        else:
+            sc = ax.scatter(xs, ys, c=[p["step"] for p in pts], cmap="viridis", s=18)
+            fig.colorbar(sc, ax=ax, label="PPO step")
+            ax.set_xlabel("KL(policy || reference), nats per response (training batch)")
+        ax.set(ylabel=panel["ylabel"], title=panel["title"])
+    fig.suptitle("Reward vs KL (Gao et al. 2022); labels: PPO steps done" if ev else "Reward vs KL (Gao et al. 2022)",
+                 fontsize=10)
+    save(fig, "rewards_vs_kl", "Each reward against KL to the reference, one panel (and y-scale) each, points in "
+                               "KL order labelled by step: a proxy that keeps rising while the gold reward peaks "
+                               "and falls is over-optimisation." if gold else
                                "Reward against KL to the reference: how much reward each nat of KL bought.")
 
     # 3. KL and beta

@@ -51,7 +51,7 @@ class RewardTrainConfig:
     lr: float = 1e-4
     """AdamW learning rate (for the default --train-layers 2; full fine-tuning wants ~1e-5)."""
     lr_schedule: Literal["constant", "linear"] = "linear"
-    """Constant, or linear decay to 0 over the run."""
+    """Constant, or linear decay to 0 over the run (--resume then needs the same --epochs; a constant schedule lets --resume add epochs)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -328,8 +328,9 @@ def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
 
 def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     from ppolm import checkpoint, models
-    from ppolm.ppo import resolve_device, resolve_precision, seed_everything
+    from ppolm.ppo import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
 
+    refuse_data_parallel()
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)

@@ -57,7 +57,7 @@ class SFTConfig:
     lr: float = 2e-5
     """AdamW learning rate (full fine-tuning; LoRA wants ~10x more)."""
     lr_schedule: Literal["constant", "linear"] = "linear"
-    """Constant, or linear decay to 0 over the run."""
+    """Constant, or linear decay to 0 over the run (--resume then needs the same --epochs; a constant schedule lets --resume add epochs)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -162,10 +162,17 @@ def prepare_output_dir(out: Path, cfg: Any, config_name: str, commit: bool = Fal
             if not saved.exists():
                 raise PPOLMError(f"--output-dir {out} does not hold a run of this command (no {config_name}); "
                                  "choose another directory")
-            diff = config_difference(config.load_yaml(saved), config.to_dict(cfg))
+            before = config.load_yaml(saved)
+            diff = config_difference(before, config.to_dict(cfg))
             if diff:
                 raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); resume with "
                                  "the same options, or use --overwrite or a new --output-dir")
+            old_epochs = before.get("epochs")
+            if cfg.lr_schedule == "linear" and old_epochs is not None and old_epochs != cfg.epochs:
+                # the schedule decays over all epochs' steps: another total rescales every step's rate
+                raise PPOLMError(f"--epochs changed from {old_epochs} to {cfg.epochs} but the linear learning-rate "
+                                 f"schedule decays over --epochs; resume with --epochs {old_epochs} (a run with "
+                                 "--lr-schedule constant can be extended)")
         else:
             raise PPOLMError(f"--output-dir {out} already holds files; pass --overwrite to replace them, --resume "
                              "to continue that run, or choose a new directory")
@@ -569,8 +576,9 @@ def train_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
 
 def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
     from ppolm import models
-    from ppolm.ppo import resolve_device, resolve_precision, seed_everything
+    from ppolm.ppo import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
 
+    refuse_data_parallel()
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)

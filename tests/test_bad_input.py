@@ -126,7 +126,7 @@ def snapshot(root: Path) -> dict[str, tuple] | None:
 def previous_run(out: Path, **cfg_over) -> None:
     """An output directory as a finished earlier run left it."""
     out.mkdir(parents=True)
-    base = dict(model="earlier-model", steps=3, ppo_epochs=2)
+    base = dict(model="earlier-model", reward_fn=["earlier_rewards.py:fn"], steps=3, ppo_epochs=2)
     base.update(cfg_over)
     config.save_yaml(config.build(PPOConfig, base), out / "config.yaml")
     (out / "metrics.jsonl").write_text('{"step": 0, "objective/scores": 0.5}\n')
@@ -216,6 +216,9 @@ CASES = [
     ("reward-model-bad-norm-file", lambda i, t: {"reward_model": i.bad_norm_rm, "reward_fn": None},
      r"ppolm_reward\.json is malformed; it must hold \{\"gain\": number, \"bias\": number\}"),
     # --- reward functions
+    ("no-reward", lambda i, t: {"reward_fn": None},
+     r"^error: no reward given: pass --reward-fn FILE\.py:fn \(TRL GRPO convention\) or --reward-model DIR; for "
+     r"the built-in sentiment reward use --reward-fn ppolm\.builtin_rewards:positive_sentiment$"),
     ("reward-spec-without-colon", lambda i, t: {"reward_fn": "rewards.py"},
      r"reward function 'rewards\.py' must be 'path/to/file\.py:function' or 'package\.module:function'"),
     ("reward-file-missing", lambda i, t: {"reward_fn": f"{t}/nope.py:f"}, r"reward function file .*nope\.py does not exist"),
@@ -441,3 +444,32 @@ def test_sft_and_reward_resume_refuses_another_commands_run(inputs, tmp_path, ca
     check_error(main(other_argv(command, inputs, out, {"resume": True})), capsys.readouterr().err,
                 rf"does not hold a run of this command \(no {command}_config\.yaml\); choose another directory")
     assert snapshot(out) == before
+
+
+# ------------------------------------------------------------------ torchrun: one process only
+
+@pytest.mark.parametrize("command", ["ppo", "sft", "reward", "eval", "demo"])
+def test_every_command_refuses_several_processes(inputs, tmp_path, capsys, monkeypatch, command):
+    """Under torchrun (WORLD_SIZE > 1) the processes would race on one --output-dir; nothing is
+    synchronised yet, so every command refuses before reading anything."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    out = tmp_path / "out"
+    argv = {"ppo": lambda: ppo_argv(inputs, out, {"overwrite": None}),
+            "sft": lambda: other_argv("sft", inputs, out, {}),
+            "reward": lambda: other_argv("reward", inputs, out, {}),
+            "eval": lambda: ["eval", "--policy", str(inputs.model), "--reward-fn", f"{inputs.rewards}:length",
+                             "--output", str(out / "eval.json")],
+            "demo": lambda: ["demo", "--output-dir", str(out), "--quick"]}[command]()
+    check_error(main(argv), capsys.readouterr().err,
+                r"^error: data-parallel training is not supported yet: run one process \(WORLD_SIZE=2 was set by "
+                r"torchrun or the environment\)$")
+    assert not out.exists()
+
+
+def test_several_processes_refused_as_process(inputs, tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "ppolm.cli", *ppo_argv(inputs, out, {"overwrite": None})],
+                       env={**ENV, "WORLD_SIZE": "4", "RANK": "0"}, capture_output=True, text=True, timeout=300)
+    check_error(p.returncode, p.stderr, r"WORLD_SIZE=4")
+    assert not out.exists()

@@ -16,6 +16,7 @@ from ppolm.core import (
     explained_variance,
     gae,
     grouped_pairwise_loss,
+    kl_loss,
     kl_penalty,
     last_token_index,
     logprobs_from_logits,
@@ -142,6 +143,27 @@ def test_kl_penalty_k1_k2_k3() -> None:
     # r=-1: e^-1 - 1 + 1 = 0.3678794; r=1: e - 1 - 1 = 0.7182818; r=0: 0
     close(kl_penalty(logp, ref, "k3"), [[0.3678794, 0.7182818, 0.0]])
     assert (kl_penalty(logp, ref, "k1") < 0).any()
+
+
+def test_kl_loss_gradient_pulls_toward_the_reference() -> None:
+    """--kl-in loss: the term's gradient w.r.t. the policy's log-probs depends on the reference.
+
+    k3 = exp(r) - 1 - r with r = ref - logp, so d k3 / d logp = 1 - exp(ref - logp) = 1 - p_ref / p:
+    negative (raise logp) where the reference gives the token more probability, positive where
+    less, zero where they agree. k1 = logp - ref has gradient 1 whatever the reference, and
+    mean(logp) is only pushed down, never toward anything."""
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    ref = torch.tensor([[math.log(2.0), math.log(0.5), 0.0, 5.0]])
+    logp = torch.zeros(1, 4, requires_grad=True)
+    kl_loss(logp, ref, mask).backward()
+    # masked mean over 3 tokens: (1 - 2) / 3, (1 - 0.5) / 3, (1 - 1) / 3; the masked token gets 0
+    close(logp.grad, [[-1 / 3, 0.5 / 3, 0.0, 0.0]])
+    # the value is the mean k3: (2 - 1 - ln 2 + 0.5 - 1 + ln 2 + 0) / 3 = 0.5 / 3
+    assert kl_loss(logp, ref, mask).item() == pytest.approx(0.5 / 3, abs=1e-6)
+    # with k1 the gradient is the same for any reference: what the loss term must not be
+    k1 = torch.zeros(1, 4, requires_grad=True)
+    masked_mean(kl_penalty(k1, ref, "k1"), mask).backward()
+    close(k1.grad, [[1 / 3, 1 / 3, 1 / 3, 0.0]])
 
 
 def test_k3_is_never_negative() -> None:

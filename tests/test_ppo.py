@@ -216,8 +216,8 @@ def test_config_yaml_and_cli_override(tmp_path):
     p = argparse.ArgumentParser()
     p.add_argument("--config")
     add_arguments(p, PPOConfig)
-    cfg = from_cli(PPOConfig, p.parse_args(["--config", str(f), "--minibatches", "8", "--no-whiten-advantages"]),
-                   "ppo")
+    cfg = from_cli(PPOConfig, p.parse_args(["--config", str(f), "--minibatches", "8", "--no-whiten-advantages",
+                                            "--reward-fn", "ppolm.builtin_rewards:positive_sentiment"]), "ppo")
     assert (cfg.algo.ppo_epochs, cfg.algo.batch_size, cfg.algo.minibatches) == (3, 16, 8)
     assert cfg.algo.whiten_advantages is False and cfg.minibatch_size == 2
 
@@ -256,3 +256,95 @@ def test_heldout_eval_with_eval_only_scorer_and_best_checkpoint(tiny_policy_dir,
     assert best["value"] == max(r["eval/gold"] for r in rows)
     assert best["step"] == max(rows, key=lambda r: r["eval/gold"])["step"]
     assert (out / "best" / "policy" / "model.safetensors").is_file()
+
+
+def test_rng_devices_are_the_device_in_use():
+    from ppolm.ppo import rng_devices
+
+    assert rng_devices(torch.device("cpu")) == []
+    assert rng_devices(torch.device("cuda", 1)) == [1]
+    if torch.cuda.is_available():
+        assert rng_devices(torch.device("cuda")) == [torch.cuda.current_device()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_seeded_rng_restores_the_cuda_generator():
+    from ppolm.ppo import seeded_rng
+
+    dev = torch.device("cuda")
+    before = torch.cuda.get_rng_state(dev)
+    with seeded_rng(7, dev):
+        a = torch.rand(3, device=dev)
+    with seeded_rng(7, dev):
+        assert torch.equal(torch.rand(3, device=dev), a)
+    assert torch.equal(torch.cuda.get_rng_state(dev), before)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_heldout_eval_restores_every_generator_it_seeds(tiny_policy_dir, tmp_path, reward_file, monkeypatch):
+    """evaluate() samples with its own seed and leaves the training RNG stream as it was: it seeds
+    only the generators it forks (CPU, and the CUDA device in use), never every CUDA device."""
+    held = tmp_path / "held.txt"
+    held.write_text("Say something.\nName a colour.\nCount to three.\n")
+    trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, eval_prompts=str(held),
+                                  eval_batch_size=2, response_length=4, device="cpu"))
+    seeded_all = []
+    real = torch.cuda.manual_seed_all
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: (seeded_all.append(s), real(s))[1])
+    before = torch.get_rng_state()
+    first, rows = trainer.evaluate(0)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert seeded_all == []  # torch.manual_seed would reseed every CUDA device, which fork_rng did not fork
+    torch.rand(7)  # move the training stream: the evaluation does not depend on it
+    again, rows2 = trainer.evaluate(0)
+    assert again == first and rows2 == rows
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_heldout_score_has_the_training_penalties(tiny_policy_dir, tmp_path, monkeypatch):
+    """eval/score is objective/scores' definition: the sources' weighted sum minus the length
+    penalty (the missing-EOS penalty goes through the same function); eval/<source> stays raw."""
+    rewards = tmp_path / "r.py"
+    rewards.write_text("def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    held = tmp_path / "held.txt"
+    held.write_text("Say something.\nName a colour.\nCount to three.\n")
+    # every response is exactly 6 tokens (--ignore-eos): 4 beyond the budget of 2, at 0.1 each
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "run", rewards, reward_fn=[f"{rewards}:one"], steps=1,
+                   ppo_epochs=1, response_length=6, ignore_eos=True, length_penalty=0.1, length_budget=2,
+                   eval_prompts=str(held), eval_batch_size=2)
+    trainer = PPOTrainer(cfg)
+    metrics, rows = trainer.evaluate(0)
+    assert metrics["eval/one"] == pytest.approx(1.0)
+    assert metrics["eval/score"] == pytest.approx(1.0 - 0.1 * 4, abs=1e-6)  # 0.6
+    assert [r["score"] for r in rows] == pytest.approx([0.6] * 3, abs=1e-6)
+    train, _ = trainer.step(0)
+    assert train["objective/scores"] == pytest.approx(0.6, abs=1e-6) and train["reward/one"] == 1.0
+
+
+def old_prompt_indices(n, b, seed, step):
+    """The prompt order as first defined: row i of the run is position i mod n of pass i // n's permutation."""
+    out = []
+    for i in range(step * b, step * b + b):
+        epoch, j = divmod(i, n)
+        out.append(int(torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch))[j]))
+    return out
+
+
+def test_prompt_order_is_unchanged_and_draws_each_permutation_once(monkeypatch):
+    from ppolm.ppo import PromptOrder
+
+    # 5 prompts, batches of 3: steps 0..6 cross four passes over the data, some mid-batch
+    order = PromptOrder(5, seed=2)
+    assert [order.indices(s, 3) for s in range(7)] == [old_prompt_indices(5, 3, 2, s) for s in range(7)]
+    # resume-safe: a fresh order asked for step 4 first gives the same rows
+    assert PromptOrder(5, seed=2).indices(4, 3) == old_prompt_indices(5, 3, 2, 4)
+    # a batch larger than the prompt set takes several passes in one step
+    assert PromptOrder(2, seed=0).indices(1, 5) == old_prompt_indices(2, 5, 0, 1)
+
+    calls = []
+    real = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
+    big = PromptOrder(100_000, seed=0)
+    rows = [big.indices(s, 8) for s in range(100)]
+    assert calls == [100_000]  # one permutation for the pass, not one per row (800)
+    assert len({i for r in rows for i in r}) == 800  # a permutation: no prompt twice within a pass

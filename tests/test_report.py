@@ -159,6 +159,7 @@ def test_report_without_gold_or_eval(tiny_policy_dir, tmp_path):
 
     out = tmp_path / "plain"
     train_ppo(config.build(PPOConfig, dict(model=str(tiny_policy_dir), steps=2, batch_size=2, minibatches=1,
+                                           reward_fn=["ppolm.builtin_rewards:positive_sentiment"],
                                            ppo_epochs=1, response_length=6, output_dir=str(out), quiet=True,
                                            precision="fp32", save_every=10)))
     assert cli.main(["report", "--run-dir", str(out)]) == 0
@@ -166,6 +167,45 @@ def test_report_without_gold_or_eval(tiny_policy_dir, tmp_path):
     text = re.sub(r'src="data:[^"]+"', "", html).replace(str(out.resolve()), "")
     assert "gold" not in text.lower()
     assert (out / "plots" / "rewards_vs_step.png").is_file()
+
+
+def hand_run(tmp_path, evals, metrics=None):
+    from ppolm.report import Run
+
+    cfg = {"reward": {"reward_fn": ["r.py:words"]},
+           "run": {"eval_reward_fn": ["ppolm.gold:gold_judge", "j.py:brevity"]}}
+    return Run(tmp_path, metrics or [], evals, [], [], cfg, {"step": 4, "metric": "eval/gold_judge"}, None)
+
+
+def test_reward_vs_kl_has_one_panel_per_reward_ordered_by_kl(tmp_path):
+    """Gao et al.'s plot: each reward against KL on its own scale, points in KL order labelled by step
+    (the KL of these evaluations is not monotone in the step)."""
+    from ppolm.report import make_plots, reward_vs_kl_panels
+
+    kls = {0: 0.0, 2: 3.0, 4: 1.0, 6: 5.0}
+    evals = [{"step": s, "eval/kl": kl, "eval/score": 0.1 * s, "eval/score_se": 0.01, "eval/words": 0.1 * s,
+              "eval/gold_judge": -0.5 * s, "eval/gold_judge_se": 0.02, "eval/brevity": float(s == 2)}
+             for s, kl in kls.items()]
+    panels = reward_vs_kl_panels(hand_run(tmp_path, evals))
+    # the proxy (trained-on score), then the eval-only scorers, gold first; not the training source words
+    assert [p["key"] for p in panels] == ["eval/score", "eval/gold_judge", "eval/brevity"]
+    for p in panels:
+        assert [pt["step"] for pt in p["points"]] == [0, 4, 2, 6]  # KL 0, 1, 3, 5
+        assert [pt["kl"] for pt in p["points"]] == [0.0, 1.0, 3.0, 5.0]
+    assert [pt["y"] for pt in panels[1]["points"]] == [0.0, -2.0, -1.0, -3.0]
+    assert [pt["se"] for pt in panels[1]["points"]] == [0.02] * 4 and panels[2]["points"][0]["se"] == 0.0
+    plots = make_plots(hand_run(tmp_path, evals), tmp_path / "plots")
+    assert plots["rewards_vs_kl"][1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reward_vs_kl_without_held_out_uses_the_training_batches(tmp_path):
+    from ppolm.report import reward_vs_kl_panels
+
+    metrics = [{"step": s, "objective/kl": kl, "objective/scores": y} for s, kl, y in
+               ((0, 0.5, 1.0), (1, 0.2, 2.0), (2, None, 3.0), (3, 0.9, 4.0))]
+    (panel,) = reward_vs_kl_panels(hand_run(tmp_path, [], metrics))
+    assert panel["key"] == "objective/scores"
+    assert [(pt["step"], pt["kl"], pt["y"]) for pt in panel["points"]] == [(1, 0.2, 2.0), (0, 0.5, 1.0), (3, 0.9, 4.0)]
 
 
 def test_report_refuses_a_non_run(tmp_path, capsys):

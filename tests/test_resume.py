@@ -183,6 +183,9 @@ def test_nan_reward_at_one_step_is_skipped_and_counted(micro_dir, reward_file, t
     rows = tracking.read_jsonl(out / "metrics.jsonl")
     assert [r["guard/skipped_updates"] for r in rows] == [0, 1, 1, 1]
     assert rows[1]["objective/scores"] is None and rows[1]["ppo/epochs"] == 0
+    # the adaptive KL coefficient moves after an update, and stays put after a skipped one
+    beta = [r["objective/kl_coef"] for r in rows]
+    assert beta[1] != beta[0] and beta[2] == beta[1] and beta[3] != beta[2]
     # the skipped step left the weights exactly as they were; the others moved them
     w = [load_file(str(out / "checkpoints" / f"step-{i:06d}" / "tensors.safetensors")) for i in (1, 2, 3)]
     key = next(k for k in w[0] if k.startswith("policy.") and "embed" in k)
@@ -205,6 +208,28 @@ def test_inf_reward_every_step_aborts_without_saving_non_finite(micro_dir, tmp_p
         assert all(torch.isfinite(t).all() for t in load_file(str(path / "tensors.safetensors")).values())
 
 
+def test_nan_reward_on_every_step_of_a_short_run_is_the_skip_error(micro_dir, tmp_path, capsys):
+    """Every update skipped and the run ends before --max-skipped-updates: the same one-line error,
+    not a summary of a run that never trained (whose last score is null)."""
+    reward = tmp_path / "nan.py"
+    reward.write_text("def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n")
+    out = tmp_path / "run"
+    assert main(ppo_args(micro_dir, reward, out, steps=2, fn="nan")) == 2
+    err = capsys.readouterr().err
+    assert "error: 2 consecutive updates skipped (last at step 1: non-finite reward (NaN/inf) from nan)" in err
+    assert "Traceback" not in err and not (out / "policy").exists()
+
+
+def test_a_skipped_last_step_still_prints_the_summary(micro_dir, tmp_path, capsys):
+    """The last step's score is null in metrics.jsonl when its update was skipped."""
+    reward = tmp_path / "late_nan.py"
+    reward.write_text("CALLS = [0]\n\ndef late_nan(prompts, completions, **kw):\n    CALLS[0] += 1\n"
+                      "    return [float('nan') if CALLS[0] == 2 else 1.0] * len(completions)\n")
+    assert main(ppo_args(micro_dir, reward, tmp_path / "run", steps=2, fn="late_nan")) == 0
+    out, err = capsys.readouterr()
+    assert "done: 2 steps, final score n/a (update skipped), KL " in out and "Traceback" not in err
+
+
 @pytest.mark.parametrize("over", [["--lora-r", "4"], ["--critic", "shared", "--kl-in", "loss", "--entropy-coef", "0.01"]],
                          ids=["lora", "shared-critic"])
 def test_stop_and_resume_variants_are_bit_identical(micro_dir, reward_file, tmp_path, over):
@@ -218,6 +243,23 @@ def test_stop_and_resume_variants_are_bit_identical(micro_dir, reward_file, tmp_
     for f in files:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
     assert rows_without_time(a / "metrics.jsonl") == rows_without_time(b / "metrics.jsonl")
+
+
+def test_resume_refuses_other_steps_under_a_linear_schedule(micro_dir, reward_file, tmp_path, capsys):
+    """--lr-schedule linear decays to 0 over --steps, so more steps on --resume would change the
+    learning rate of the steps already taken; with a constant schedule extending a run stays allowed
+    (test_stop_and_resume_variants_are_bit_identical)."""
+    out = tmp_path / "run"
+    assert main(ppo_args(micro_dir, reward_file, out, steps=2)) == 0  # ppo_args: --lr-schedule linear
+    capsys.readouterr()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(ppo_args(micro_dir, reward_file, out, steps=3, extra=["--resume"])) == 2
+    err = capsys.readouterr().err
+    assert ("error: --steps changed from 2 to 3 but the linear learning-rate schedule decays over --steps; "
+            "resume with --steps 2 (a run with --lr-schedule constant can be extended)") in err
+    assert "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert main(ppo_args(micro_dir, reward_file, out, steps=2, extra=["--resume"])) == 0  # same steps: fine
 
 
 def test_checkpoint_refuses_non_finite_tensors(tmp_path):
@@ -245,7 +287,8 @@ def test_disk_full_or_denied_while_saving_keeps_previous_checkpoint(micro_dir, r
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     out = tmp_path / "run"
-    args = ppo_args(micro_dir, reward_file, out, steps=4) + ["--keep-last", "5"]
+    # a constant learning rate, so that the run can be extended below
+    args = ppo_args(micro_dir, reward_file, out, steps=4) + ["--keep-last", "5", "--lr-schedule", "constant"]
     assert main(args) == 2
     err_text = capsys.readouterr().err
     lines = [ln for ln in err_text.splitlines() if ln.startswith("error:")]
@@ -267,7 +310,8 @@ def test_disk_full_or_denied_while_saving_keeps_previous_checkpoint(micro_dir, r
 
     monkeypatch.setattr(ppolm.models, "save_pretrained", denied)
     capsys.readouterr()
-    assert main(ppo_args(micro_dir, reward_file, out, steps=5) + ["--keep-last", "5", "--resume"]) == 2
+    assert main(ppo_args(micro_dir, reward_file, out, steps=5) + ["--keep-last", "5", "--lr-schedule", "constant",
+                                                                 "--resume"]) == 2
     err_text = capsys.readouterr().err
     assert "error: permission denied while writing the final policy/critic" in err_text
     assert "Traceback" not in err_text

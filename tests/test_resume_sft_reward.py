@@ -347,6 +347,23 @@ def test_resume_needs_the_same_options_and_excludes_overwrite(files, tmp_path, c
     assert "no sft_config.yaml" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["sft", "reward"])
+def test_resume_refuses_other_epochs_under_a_linear_schedule(files, tmp_path, capsys, command):
+    """The linear schedule decays to 0 over all epochs: more epochs on --resume would change the
+    learning rate of the steps already taken. (A constant schedule may be extended: see
+    test_resume_variants_and_more_epochs_are_bit_identical.)"""
+    out = tmp_path / "run"
+    assert main(args_for(command, files, out, epochs=1, extra=["--lr-schedule", "linear"])) == 0
+    capsys.readouterr()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(args_for(command, files, out, epochs=2, extra=["--lr-schedule", "linear", "--resume"])) == 2
+    err = capsys.readouterr().err
+    assert ("error: --epochs changed from 1 to 2 but the linear learning-rate schedule decays over --epochs; "
+            "resume with --epochs 1 (a run with --lr-schedule constant can be extended)") in err
+    assert "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_old_checkpoints_are_renamed_before_deletion(tmp_path):
     """keep_last removes old checkpoints via a .tmp-* name, so a kill mid-delete leaves no half step-* dir."""
     root = tmp_path / "ckpt"
