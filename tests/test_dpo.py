@@ -196,6 +196,32 @@ def test_resume_is_bit_identical(micro, tmp_path, extra):
     assert not all(torch.equal(start[k], end[k]) for k in start)  # it trained (so equal bytes mean something)
 
 
+def test_nan_loss_is_skipped_counted_and_kept_out_of_the_means(micro, tmp_path, capsys, monkeypatch):
+    """No input of finite log-probs makes the DPO loss NaN, so the third training batch's loss is made NaN
+    in-process; the model, data, optimiser and checkpoints are the real run."""
+    import ppolm.core
+    from ppolm import tracking
+
+    real, calls = ppolm.core.dpo_loss, {"n": 0}
+
+    def nan_third(pc, *args, **kwargs):
+        loss, rc, rr = real(pc, *args, **kwargs)
+        if pc.requires_grad:  # a training step (evaluation runs without grad)
+            calls["n"] += 1
+            if calls["n"] == 3:
+                return loss * float("nan"), rc * float("nan"), rr
+        return loss, rc, rr
+
+    monkeypatch.setattr(ppolm.core, "dpo_loss", nan_third)
+    out = tmp_path / "run"
+    assert main(cli_args(micro, out, 1)) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "update 3 (epoch 1): non-finite loss (nan); update skipped" in err, err
+    (_, row) = tracking.read_jsonl(out / "metrics.jsonl")
+    assert row["guard/skipped_updates"] == 1
+    assert all(math.isfinite(row[k]) for k in ("loss", "rewards/chosen", "rewards/margins", "eval/loss"))
+
+
 def test_help_lists_the_dpo_options(capsys):
     with pytest.raises(SystemExit):
         main(["dpo", "--help"])
