@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
             "train a policy with PPO against reward models and/or reward functions"),
     "sft": ("ppolm.sft:SFTConfig", "ppolm.sft:run", "supervised fine-tuning on demonstrations (loss on responses only)"),
     "reward": ("ppolm.reward_train:RewardTrainConfig", "ppolm.reward_train:run", "train a reward model on preference pairs"),
+    "dpo": ("ppolm.dpo:DPOConfig", "ppolm.dpo:run",
+            "direct preference optimisation: train a policy on preference pairs, no reward model (DPO, IPO)"),
     "reward-eval": ("ppolm.evaluate:RewardEvalConfig", "ppolm.evaluate:run_reward_eval", "held-out pairwise accuracy of a reward model"),
     "eval": ("ppolm.evaluate:EvalConfig", "ppolm.evaluate:run_eval", "compare policies: rewards, KL, length, diversity, EOS rate"),
     "report": ("ppolm.report:ReportConfig", "ppolm.report:run_report", "write report.html and plots for a PPO run"),

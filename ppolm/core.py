@@ -1,13 +1,16 @@
 """The PPO math of RLHF, as pure functions on tensors.
 
 Everything here imports only torch: masked statistics, log-probabilities and entropy from
-logits, the per-token KL penalty and reward shaping of InstructGPT, GAE, the clipped policy
-and value losses of PPO, the Bradley-Terry reward-model loss and the KL-coefficient
+logits, the per-token KL penalty and reward shaping of InstructGPT, GAE, the group and
+critic-free advantage estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax), the loss
+aggregation modes, the clipped policy loss of PPO (with DAPO's clip-higher and dual-clip) and
+its value loss, the Bradley-Terry reward-model loss, the DPO/IPO losses and the KL-coefficient
 controllers. Functions take tensors and floats, never a config object.
 
 Shapes: B is the batch (one row per prompt/response), T the response length, V the vocabulary.
 ``mask`` is a (B, T) 0/1 (or bool) tensor marking real response tokens, right-padded
-(``1 ... 1 0 ... 0`` per row).
+(``1 ... 1 0 ... 0`` per row). ``group_ids`` is a (B,) integer tensor: rows with the same id are
+responses to the same prompt (any ids, any order, groups of any size).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo")
 
 
 def _mask_like(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -219,33 +224,212 @@ def gae(
     return advantages, returns
 
 
+# ------------------------------------------------------------------ critic-free advantage estimators
+# One score per response, s (B,); several responses per prompt share a group id. No value model:
+# the baseline comes from the other responses to the same prompt (or, for ReMax, a greedy one).
+
+
+def _group_moments(
+    scores: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's group size n, group mean, unbiased group std (0 when n = 1) and whether its group's
+    scores are all equal; each (B,), float64 (the sums of a few scores, exact enough to cancel)."""
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"scores and group_ids must both be (B,); got {tuple(scores.shape)} and "
+                         f"{tuple(group_ids.shape)}")
+    s = scores.double()
+    _, inv = torch.unique(group_ids, return_inverse=True)  # group ids -> 0 .. G-1
+    zeros = torch.zeros(int(inv.max()) + 1 if inv.numel() else 0, dtype=s.dtype, device=s.device)
+    n = zeros.index_add(0, inv, torch.ones_like(s))
+    mean = zeros.index_add(0, inv, s) / n
+    sq_dev = zeros.index_add(0, inv, (s - mean[inv]) ** 2)
+    std = torch.sqrt(sq_dev / (n - 1).clamp(min=1))
+    hi = zeros.scatter_reduce(0, inv, s, "amax", include_self=False)
+    lo = zeros.scatter_reduce(0, inv, s, "amin", include_self=False)
+    return n[inv], mean[inv], std[inv], (hi == lo)[inv]
+
+
+def _out_dtype(scores: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(scores.dtype, torch.float32) if scores.is_floating_point() else torch.float32
+
+
+def grpo_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, scale: bool = True
+) -> torch.Tensor:
+    """GRPO's group-relative advantage of each response: scores, group_ids (B,) -> (B,).
+
+    A_i = (s_i - mean_g) / (std_g + eps), mean and std over the responses of i's group g; the std
+    is the unbiased one (divides by n_g - 1), as ``torch.std`` in DeepSeekMath's GRPO and TRL.
+    ``scale=False`` is Dr. GRPO: A_i = s_i - mean_g, without the division, which favours groups
+    with little spread (too easy or too hard prompts) and biases towards them.
+    A group whose scores are all equal (a singleton included) gives exactly 0: it holds no
+    preference, and the rounding of its mean must not be divided by a near-zero std.
+    Each token of response i then gets A_i (broadcast over its mask).
+    Sources: Shao et al. 2024, "DeepSeekMath" (GRPO), https://arxiv.org/abs/2402.03300;
+    Liu et al. 2025, "Understanding R1-Zero-Like Training" (Dr. GRPO), https://arxiv.org/abs/2503.20783.
+    """
+    _, mean, std, tied = _group_moments(scores, group_ids)
+    centred = scores.double() - mean
+    adv = centred / (std + eps) if scale else centred
+    return torch.where(tied, torch.zeros_like(adv), adv).to(_out_dtype(scores))
+
+
+def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out: each response's baseline is the mean of the other n - 1 of its group.
+
+    A_i = s_i - (sum_g - s_i) / (n_g - 1) = n_g / (n_g - 1) * (s_i - mean_g); scores, group_ids
+    (B,) -> (B,). The baseline does not depend on s_i, so the estimate stays unbiased. A singleton
+    group has no other response: 0. A group of equal scores gives exactly 0.
+    Source: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+    Learning from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740.
+    """
+    n, mean, _, tied = _group_moments(scores, group_ids)
+    adv = n / (n - 1).clamp(min=1) * (scores.double() - mean)
+    return torch.where(tied, torch.zeros_like(adv), adv).to(_out_dtype(scores))
+
+
+def group_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """The group mean as baseline (REINFORCE++-baseline): A_i = s_i - mean_g; (B,) -> (B,).
+
+    The mean includes s_i itself, so a singleton group gives s_i - s_i = 0 (and a group of equal
+    scores exactly 0). REINFORCE++-baseline then whitens these over the whole batch
+    (:func:`masked_whiten` of the per-token values) instead of dividing by each group's std.
+    Source: Hu 2025, "REINFORCE++", https://arxiv.org/abs/2501.03262 (the -baseline variant).
+    """
+    _, mean, _, tied = _group_moments(scores, group_ids)
+    adv = scores.double() - mean
+    return torch.where(tied, torch.zeros_like(adv), adv).to(_out_dtype(scores))
+
+
+def remax_advantages(scores: torch.Tensor, greedy_scores: torch.Tensor) -> torch.Tensor:
+    """ReMax: the baseline of a sampled response is the score of the greedy response to its prompt.
+
+    A_i = s_i - b_i, b_i = reward of argmax decoding for the same prompt; scores, greedy_scores
+    (B,) -> (B,) (repeat b per sample when a prompt has several).
+    Source: Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
+    Method for Aligning Large Language Models", https://arxiv.org/abs/2310.10505 (Algorithm 1).
+    """
+    if scores.shape != greedy_scores.shape:
+        raise ValueError(f"scores and greedy_scores must have one shape; got {tuple(scores.shape)} and "
+                         f"{tuple(greedy_scores.shape)}")
+    dtype = _out_dtype(scores)
+    return scores.to(dtype) - greedy_scores.to(dtype)
+
+
+def reinforce_pp_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Discounted returns-to-go per token: G_t = r_t + gamma * G_{t+1}, G = 0 after the last real token.
+
+    token_rewards, mask (B, T) -> (B, T) float32, 0 on padding. The rewards are those of
+    :func:`shape_rewards`: -beta * KL on every token, plus the score on the last one, so with
+    gamma = 1, G_t = score - beta * (sum of the KL from token t on). REINFORCE++ uses no critic:
+    its advantages are these returns whitened over the whole batch, ``masked_whiten(G, mask)``
+    (equal to :func:`gae` with values 0 and lambda 1, before whitening).
+    Source: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language
+    Models", https://arxiv.org/abs/2501.03262.
+    """
+    m = mask.float()
+    r = token_rewards.float() * m
+    returns = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running
+        returns[:, t] = running
+    return returns * m
+
+
+# ------------------------------------------------------------------ losses
+
+
+def aggregate_loss(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", constant: float | None = None
+) -> torch.Tensor:
+    """Reduce a per-token loss (B, T) over the real tokens (mask (B, T)) to a scalar.
+
+    * ``token-mean``: sum over all real tokens / their number (each token weighs the same; PPO of
+      lm-human-preferences, DAPO's token-level loss);
+    * ``seq-mean-token-sum``: per-sequence sum, then the mean over sequences;
+    * ``seq-mean-token-mean``: per-sequence mean, then the mean over sequences (GRPO as published:
+      a long response's tokens each weigh less);
+    * ``seq-mean-token-sum-norm``: sum over all real tokens / (B * constant), constant = the
+      maximum response length (default: T), as Dr. GRPO, which removes the length bias of the
+      per-sequence mean.
+    In the two seq-mean modes rows without a real token are left out of the mean over sequences.
+    Sources: Yu et al. 2025, "DAPO", https://arxiv.org/abs/2503.14476 (token-level loss);
+    Liu et al. 2025, "Dr. GRPO", https://arxiv.org/abs/2503.20783.
+    """
+    if mode == "token-mean":
+        return masked_mean(per_token, mask)
+    m = _mask_like(mask, per_token)
+    seq_sum = (per_token * m).sum(-1)  # (B,)
+    if mode == "seq-mean-token-sum-norm":
+        c = float(per_token.shape[-1] if constant is None else constant)
+        if c <= 0:
+            raise ValueError(f"aggregate_loss: constant must be > 0, got {constant}")
+        return seq_sum.sum() / (per_token.shape[0] * c)
+    n = m.sum(-1)  # (B,) real tokens per row
+    has = (n > 0).to(m.dtype)
+    if mode == "seq-mean-token-sum":
+        per_seq = seq_sum
+    elif mode == "seq-mean-token-mean":
+        per_seq = seq_sum / n.clamp(min=1)
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
+    return (per_seq * has).sum() / has.sum()
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float,
+    *,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    loss_agg: str = "token-mean",
+    agg_constant: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss; all inputs (B, T) -> (scalar loss, stats).
 
-    r = exp(logp - logp_old); loss = masked_mean(max(-A * r, -A * clip(r, 1 - eps, 1 + eps))).
+    r = exp(logp - logp_old); per token l = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high)),
+    eps_low = ``clip_eps``, eps_high = ``clip_eps_high`` (default: ``clip_eps``, plain PPO);
+    loss = aggregate_loss(l, mask, ``loss_agg``), by default masked_mean(l) (token-mean).
+    Clip-higher (eps_high > eps_low, DAPO uses 0.2 / 0.28) lets low-probability tokens with A > 0
+    grow further before the clip, against entropy collapse.
+    Dual-clip (``dual_clip`` = C > 1): where A < 0 the loss is capped, l = min(l, -C * A), so a
+    token whose ratio has run far above 1 (r > C) stops pushing an unbounded step; tokens with
+    A >= 0 are unchanged.
     stats (detached scalars): clipfrac = fraction of real tokens where the clipped term is the
-    larger one, approxkl = masked_mean((logp - logp_old)^2 / 2), ratio = masked_mean(r).
-    Source: Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (eq. 7).
+    larger one, approxkl = masked_mean((logp - logp_old)^2 / 2), ratio = masked_mean(r); with
+    dual-clip also dual_clipfrac = fraction of real tokens where the cap applies.
+    Sources: Schulman et al. 2017, "Proximal Policy Optimization Algorithms" (eq. 7),
+    https://arxiv.org/abs/1707.06347; Yu et al. 2025, "DAPO" (clip-higher),
+    https://arxiv.org/abs/2503.14476; Ye et al. 2020, "Mastering Complex Control in MOBA Games
+    with Deep Reinforcement Learning" (dual-clip), https://arxiv.org/abs/1912.09729.
     """
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     log_ratio = logprobs.float() - old_logprobs.float()
     ratio = torch.exp(log_ratio)
     adv = advantages.float()
     pg_loss1 = -adv * ratio
-    pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    pg_loss2 = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)
     pg_loss = torch.max(pg_loss1, pg_loss2)
-    loss = masked_mean(pg_loss, mask)
+    capped = None
+    if dual_clip is not None:
+        cap = -dual_clip * adv  # (B, T), > 0 where A < 0
+        capped = (adv < 0) & (pg_loss > cap)
+        pg_loss = torch.where(capped, cap, pg_loss)
+    loss = aggregate_loss(pg_loss, mask, loss_agg, agg_constant)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((pg_loss2 > pg_loss1).float(), mask),
             "approxkl": masked_mean(0.5 * log_ratio**2, mask),
             "ratio": masked_mean(ratio, mask),
         }
+        if capped is not None:
+            stats["dual_clipfrac"] = masked_mean(capped.float(), mask)
     return loss, {k: s.detach() for k, s in stats.items()}
 
 
@@ -312,6 +496,51 @@ def grouped_pairwise_loss(
     return (-F.logsigmoid(diff) / size[group]).sum() / n_groups
 
 
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+    loss_type: str = "sigmoid",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DPO loss of a batch of preference pairs -> (mean loss, chosen_rewards (B,), rejected_rewards (B,)).
+
+    Inputs (B,): log-probabilities of each whole response given its prompt, under the policy and
+    the frozen reference. With the implicit rewards r_c = beta * (logpi_c - logref_c),
+    r_r = beta * (logpi_r - logref_r) (returned detached) and h = (logpi_c - logref_c) -
+    (logpi_r - logref_r):
+    * ``sigmoid`` (DPO): loss = -log sigmoid(beta * h); with ``label_smoothing`` eps (conservative
+      DPO, cDPO: each label is flipped with probability eps),
+      loss = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h), 0 <= eps < 0.5;
+    * ``ipo``: loss = (h - 1 / (2 * beta))^2, regressing the log-ratio gap to a finite target
+      instead of pushing it to infinity. Following TRL (PR #1294) the caller passes per-token
+      *average* log-probabilities for IPO (as IPO's authors do), the response sums for DPO; this
+      function uses what it is given. Label smoothing does not apply to IPO.
+    Sources: Rafailov et al. 2023, "Direct Preference Optimization", https://arxiv.org/abs/2305.18290
+    (eq. 7); Mitchell 2023, "A note on DPO with noisy preferences" (cDPO); Azar et al. 2023,
+    "A General Theoretical Paradigm to Understand Learning from Human Preferences" (IPO),
+    https://arxiv.org/abs/2310.12036.
+    """
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    chosen_ratio = policy_chosen_logps.float() - ref_chosen_logps.float()
+    rejected_ratio = policy_rejected_logps.float() - ref_rejected_logps.float()
+    h = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        if label_smoothing:
+            raise ValueError("label_smoothing applies to the sigmoid (DPO) loss only, not to ipo")
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss type {loss_type!r}; valid types: {', '.join(DPO_LOSS_TYPES)}")
+    return losses.mean(), (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 - Var(R - v) / Var(R) over the real tokens (biased masked variances); (B, T) -> float.
 
@@ -370,7 +599,9 @@ class FixedKLController:
 
 
 __all__ = [
-    "KL_KINDS", "AdaptiveKLController", "FixedKLController", "entropy_from_logits", "explained_variance",
-    "gae", "grouped_pairwise_loss", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean",
-    "masked_sum", "masked_var", "masked_whiten", "pairwise_loss", "policy_loss", "shape_rewards", "value_loss",
+    "DPO_LOSS_TYPES", "KL_KINDS", "LOSS_AGG_MODES", "AdaptiveKLController", "FixedKLController", "aggregate_loss",
+    "dpo_loss", "entropy_from_logits", "explained_variance", "gae", "group_baseline", "grouped_pairwise_loss",
+    "grpo_advantages", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean", "masked_sum",
+    "masked_var", "masked_whiten", "pairwise_loss", "policy_loss", "reinforce_pp_returns", "remax_advantages",
+    "rloo_advantages", "shape_rewards", "value_loss",
 ]

@@ -187,13 +187,21 @@ def load_pairs(path: str, margin_column: str | None = "margin") -> list[Pair]:
 
 def encode_pairs(pairs: list[Pair], tok: Any, chat_template: bool, max_length: int, path: str = "data"):
     """-> list of (chosen ids, rejected ids, margin), laid out as PPO scores a rollout."""
+    return [(c, r, m) for _, c, r, m in encode_pairs_with_prompts(pairs, tok, chat_template, max_length, path)]
+
+
+def encode_pairs_with_prompts(pairs: list[Pair], tok: Any, chat_template: bool, max_length: int,
+                              path: str = "data") -> list[tuple[int, list[int], list[int], float]]:
+    """-> list of (prompt length, chosen ids, rejected ids, margin): each ids list is the encoded prompt
+    (its first ``prompt length`` ids) then the response and EOS, as :func:`encode_pairs` (``ppolm dpo``
+    needs the prompt length to count the response tokens only)."""
     from ppolm.data import encode_prompt
 
     out = []
     for i, p in enumerate(pairs, start=1):
         p_ids = encode_prompt(p.prompt, tok, chat_template)
         where = f"{path} row {i}"
-        out.append((common.encode_response(p_ids, p.chosen, tok, max_length, where),
+        out.append((len(p_ids), common.encode_response(p_ids, p.chosen, tok, max_length, where),
                     common.encode_response(p_ids, p.rejected, tok, max_length, where), p.margin))
     return out
 

@@ -535,11 +535,14 @@ def collate(examples: list[Example], pad_id: int, device: torch.device) -> tuple
     return ids.to(device), mask.to(device), loss_mask.to(device)
 
 
-def sft_loss(model: Any, ids: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over response tokens, and their count.
+def response_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits at the positions that predict a response token: (logits (N, V) float32, targets (N,),
+    sel (B, T - 1) bool), N = the number of response tokens (ids, mask, loss_mask: (B, T) from :func:`collate`).
 
     The LM head runs only on the positions that predict a response token (position t predicts
     token t + 1), so prompt tokens are never targets and no (B, T, V) logits are materialised.
+    The N rows follow ``sel`` in row-major order, so ``sel.nonzero()[:, 0]`` is the sequence of each.
     """
     from ppolm.models import output_logits, position_ids_from_mask
     from ppolm.rollout import backbone
@@ -547,8 +550,14 @@ def sft_loss(model: Any, ids: torch.Tensor, mask: torch.Tensor, loss_mask: torch
     hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                              use_cache=False).last_hidden_state
     sel = loss_mask[:, 1:].bool()
-    logits = output_logits(model, hidden[:, :-1][sel])  # (N, V), fp32, the model's own output path
-    return F.cross_entropy(logits, ids[:, 1:][sel], reduction="sum"), int(sel.sum())
+    # (N, V) fp32 logits through the model's own output path (models.output_logits)
+    return output_logits(model, hidden[:, :-1][sel]), ids[:, 1:][sel], sel
+
+
+def sft_loss(model: Any, ids: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over response tokens (:func:`response_logits`), and their count."""
+    logits, targets, sel = response_logits(model, ids, mask, loss_mask)
+    return F.cross_entropy(logits, targets, reduction="sum"), int(sel.sum())
 
 
 @torch.no_grad()

@@ -10,12 +10,17 @@ import torch
 
 from ppolm.core import (
     KL_KINDS,
+    LOSS_AGG_MODES,
     AdaptiveKLController,
     FixedKLController,
+    aggregate_loss,
+    dpo_loss,
     entropy_from_logits,
     explained_variance,
     gae,
+    group_baseline,
     grouped_pairwise_loss,
+    grpo_advantages,
     kl_loss,
     kl_penalty,
     last_token_index,
@@ -26,6 +31,9 @@ from ppolm.core import (
     masked_whiten,
     pairwise_loss,
     policy_loss,
+    reinforce_pp_returns,
+    remax_advantages,
+    rloo_advantages,
     shape_rewards,
     value_loss,
 )
@@ -174,6 +182,19 @@ def test_k3_is_never_negative() -> None:
     assert (kl_penalty(logp, ref, "k2") >= 0).all()
 
 
+def test_k3_gradient_depends_on_the_reference_k1_does_not() -> None:
+    # d k3 / d logp = d/dlogp [exp(ref - logp) - 1 - (ref - logp)] = 1 - exp(ref - logp)
+    # logp = -1, ref = -2, -1, 0: 1 - e^-1 = 0.6321206; 1 - 1 = 0; 1 - e = -1.7182818
+    logp = torch.full((1, 3), -1.0, requires_grad=True)
+    ref = torch.tensor([[-2.0, -1.0, 0.0]])
+    kl_penalty(logp, ref, "k3").sum().backward()
+    close(logp.grad, [[0.6321206, 0.0, -1.7182818]])
+    # k1 = logp - ref: gradient 1 whatever the reference
+    logp.grad = None
+    kl_penalty(logp, ref, "k1").sum().backward()
+    close(logp.grad, [[1.0, 1.0, 1.0]])
+
+
 def test_kl_penalty_unknown_kind_names_the_valid_ones() -> None:
     assert KL_KINDS == ("k1", "k2", "k3")
     with pytest.raises(ValueError, match="k1, k2, k3"):
@@ -240,6 +261,100 @@ def test_gae_discount_gamma_half_lambda_half() -> None:
     close(adv, [[0.25, 1.0, 4.0]])
 
 
+# ----------------------------------------------------------------------------- critic-free advantages
+
+# Four groups, rows interleaved, ids neither contiguous nor sorted:
+#   id 3: rows 0, 2, 4 with scores 1, 2, 3; id 7: rows 1, 5 with 4, 8; id 0: row 3 alone (5);
+#   id 1: rows 6-8, all 0.7 (a tie).
+GROUP_SCORES = torch.tensor([1.0, 4.0, 2.0, 5.0, 3.0, 8.0, 0.7, 0.7, 0.7])
+GROUP_IDS = torch.tensor([3, 7, 3, 0, 3, 7, 1, 1, 1])
+
+
+def test_grpo_and_dr_grpo_advantages_uneven_groups() -> None:
+    adv = grpo_advantages(GROUP_SCORES, GROUP_IDS)
+    # id 3: mean 2, unbiased std sqrt((1 + 0 + 1) / 2) = 1 -> (1-2)/1 = -1, 0, 1 (eps 1e-6 moves the 6th digit)
+    # id 7: mean 6, unbiased std sqrt((4 + 4) / 1) = 2.8284271 -> -2/2.8284271 = -0.7071068, +0.7071068
+    # id 0 (singleton) and id 1 (all equal): 0
+    close(adv, [-1.0, -0.7071068, 0.0, 0.0, 1.0, 0.7071068, 0.0, 0.0, 0.0], atol=1e-5)
+    assert adv.shape == (9,) and adv.dtype == torch.float32
+    assert (adv[[3, 6, 7, 8]] == 0).all()  # exactly, not eps-scaled rounding noise
+    # Dr. GRPO: no division by the std: s - mean = -1, -2, 0, 0, 1, 2, 0, 0, 0
+    close(grpo_advantages(GROUP_SCORES, GROUP_IDS, scale=False), [-1.0, -2.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0])
+    # the biased std would give id 7 std 2 -> +-1, not +-0.7071068
+    assert abs(float(adv[5]) - 1.0) > 0.2
+
+
+def test_rloo_leave_one_out_baseline() -> None:
+    adv = rloo_advantages(GROUP_SCORES, GROUP_IDS)
+    # id 3: 1 - (2+3)/2 = -1.5; 2 - (1+3)/2 = 0; 3 - (1+2)/2 = 1.5
+    # id 7: 4 - 8 = -4; 8 - 4 = 4;  singleton (no other response) 0;  tie 0
+    close(adv, [-1.5, -4.0, 0.0, 0.0, 1.5, 4.0, 0.0, 0.0, 0.0])
+    assert (adv[[3, 6, 7, 8]] == 0).all()
+
+
+def test_group_baseline_and_remax() -> None:
+    # s - group mean: id 3: -1, 0, 1; id 7: -2, 2; singleton: 5 - 5 = 0; tie 0
+    close(group_baseline(GROUP_SCORES, GROUP_IDS), [-1.0, -2.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0])
+    # ReMax: s - greedy score of the same prompt: 1 - 0.25 = 0.75; 0.5 - 0.5 = 0; -1 - 2 = -3
+    close(remax_advantages(torch.tensor([1.0, 0.5, -1.0]), torch.tensor([0.25, 0.5, 2.0])), [0.75, 0.0, -3.0])
+    with pytest.raises(ValueError):
+        remax_advantages(torch.zeros(3), torch.zeros(2))
+
+
+def test_group_estimators_all_ties_singletons_and_bad_shapes() -> None:
+    ties = torch.full((4,), 0.1)  # 0.1 is not exact in binary: the group mean may round
+    ids = torch.tensor([0, 0, 0, 0])
+    for fn in (grpo_advantages, rloo_advantages, group_baseline):
+        out = fn(ties, ids)
+        assert torch.isfinite(out).all() and (out == 0).all(), fn.__name__
+        alone = fn(torch.tensor([3.0, -2.0]), torch.tensor([5, 6]))  # two singleton groups
+        assert torch.isfinite(alone).all() and (alone == 0).all(), fn.__name__
+    with pytest.raises(ValueError):
+        grpo_advantages(torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.long))
+
+
+def test_reinforce_pp_returns_to_go_and_whitening() -> None:
+    rewards, _ = shape_rewards(torch.tensor([10.0, 20.0]), torch.tensor([[0.5, 1.0, 2.0], [4.0, 8.0, 8.0]]),
+                               0.1, MASK)
+    # (from test_shape_rewards) rewards = [[-0.05, -0.1, 9.8], [19.6, 0, 0]]
+    rewards[1, 1:] = 5.0  # garbage on padding must not count
+    # gamma 1: row 0 backwards: 9.8; -0.1 + 9.8 = 9.7; -0.05 + 9.7 = 9.65.  row 1: 19.6, padding 0
+    g1 = reinforce_pp_returns(rewards, MASK, gamma=1.0)
+    close(g1, [[9.65, 9.7, 9.8], [19.6, 0.0, 0.0]], atol=1e-5)
+    # gamma 0.5: 9.8; -0.1 + 0.5 * 9.8 = 4.8; -0.05 + 0.5 * 4.8 = 2.35
+    close(reinforce_pp_returns(rewards, MASK, gamma=0.5), [[2.35, 4.8, 9.8], [19.6, 0.0, 0.0]], atol=1e-5)
+    # the same as GAE with a zero critic and lambda 1
+    close(g1, gae(rewards, torch.zeros(2, 3), MASK, 1.0, 1.0)[0], atol=1e-5)
+    # REINFORCE++ advantages: whitened over the batch's real tokens -> mean 0, (biased) variance 1
+    adv = masked_whiten(g1, MASK)
+    close(masked_mean(adv, MASK), 0.0, atol=1e-5)
+    close(masked_var(adv, MASK, unbiased=False), 1.0, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- loss aggregation
+
+
+def test_aggregate_loss_modes_on_a_ragged_mask() -> None:
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 50.0, 60.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # 3, 1 and 0 real tokens
+    # token-mean: (1 + 2 + 3 + 4) / 4 = 2.5
+    close(aggregate_loss(x, mask, "token-mean"), 2.5)
+    # seq-mean-token-sum: row sums 6 and 4 (the empty row is left out) -> 5
+    close(aggregate_loss(x, mask, "seq-mean-token-sum"), 5.0)
+    # seq-mean-token-mean: row means 2 and 4 -> 3
+    close(aggregate_loss(x, mask, "seq-mean-token-mean"), 3.0)
+    # seq-mean-token-sum-norm: 10 / (B * T) = 10 / (3 * 3) = 1.1111111; constant 5: 10 / 15 = 0.6666667
+    close(aggregate_loss(x, mask, "seq-mean-token-sum-norm"), 10.0 / 9.0)
+    close(aggregate_loss(x, mask, "seq-mean-token-sum-norm", constant=5), 10.0 / 15.0)
+    assert LOSS_AGG_MODES == ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum"):
+        aggregate_loss(x, mask, "sum")
+    # gradients: token-mean gives each real token 1/4; seq-mean-token-mean gives row 0 tokens 1/(2*3)
+    xg = x.clone().requires_grad_(True)
+    aggregate_loss(xg, mask, "seq-mean-token-mean").backward()
+    close(xg.grad, [[1 / 6, 1 / 6, 1 / 6], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+
+
 # ----------------------------------------------------------------------------- PPO losses
 
 
@@ -278,6 +393,65 @@ def test_policy_loss_masked_uneven_rows() -> None:
     close(stats["clipfrac"], 0.5)
     # ratio mean (0.5 + 1 + 1.5 + 0.5) / 4 = 0.875
     close(stats["ratio"], 0.875)
+
+
+def test_policy_loss_defaults_and_aggregation() -> None:
+    logprobs, old, adv = _ppo_batch()
+    base, _ = policy_loss(logprobs, old, adv, MASK, clip_eps=0.2)
+    same, stats = policy_loss(logprobs, old, adv, MASK, 0.2, clip_eps_high=0.2, loss_agg="token-mean")
+    assert torch.equal(base, same) and "dual_clipfrac" not in stats
+    # per-token losses on MASK: row 0: -0.5, -1, -1.2; row 1: 0.8
+    # seq-mean-token-mean: (-2.7/3 + 0.8) / 2 = (-0.9 + 0.8) / 2 = -0.05
+    close(policy_loss(logprobs, old, adv, MASK, 0.2, loss_agg="seq-mean-token-mean")[0], -0.05)
+    # seq-mean-token-sum-norm: (-2.7 + 0.8) / (2 * 3) = -0.3166667
+    close(policy_loss(logprobs, old, adv, MASK, 0.2, loss_agg="seq-mean-token-sum-norm")[0], -1.9 / 6)
+
+
+def test_policy_loss_clip_higher_boundaries() -> None:
+    # eps_low 0.2, eps_high 0.25: ratios clipped to [0.8, 1.25]
+    ratios = torch.tensor([[1.2, 1.25, 1.26], [0.75, 0.8, 1.26]])
+    logprobs = torch.log(ratios).requires_grad_(True)
+    old, adv = torch.zeros(2, 3), torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    loss, _ = policy_loss(logprobs, old, adv, torch.ones(2, 3), 0.2, clip_eps_high=0.25)
+    # A=+1: r=1.2 inside -> -1.2; r=1.25 (at 1 + eps_high) -> -1.25 either way; r=1.26 -> clipped -1.25
+    # A=-1: r=0.75 below 1 - eps_low -> max(0.75, 0.8) = 0.8 (low side as before); r=0.8 -> 0.8;
+    #       r=1.26 -> max(1.26, 1.25) = 1.26 (unclipped: the pessimistic term)
+    # mean = (-1.2 - 1.25 - 1.25 + 0.8 + 0.8 + 1.26) / 6 = -0.84 / 6 = -0.14
+    close(loss, -0.14)
+    loss.backward()
+    # gradient -A*r/6 where unclipped, 0 where clipped (the boundary columns are not checked)
+    close(logprobs.grad[:, [0, 2]], [[-1.2 / 6, 0.0], [0.0, 1.26 / 6]])
+    # symmetric eps 0.2 clips r=1.2 .. 1.26 at 1.2: (-1.2 * 3 + 0.8 + 0.8 + 1.26) / 6 = -0.74 / 6
+    close(policy_loss(logprobs, old, adv, torch.ones(2, 3), 0.2)[0], -0.74 / 6)
+    # clipfrac away from the boundaries: r=1.26 (A>0) and r=0.75 (A<0) are clipped, 2 of 4 tokens
+    off_boundary = torch.tensor([[1, 0, 1], [1, 0, 1]])
+    loss, stats = policy_loss(logprobs, old, adv, off_boundary, 0.2, clip_eps_high=0.25)
+    close(stats["clipfrac"], 0.5)
+    close(loss, (-1.2 - 1.25 + 0.8 + 1.26) / 4)
+
+
+def test_policy_loss_dual_clip_caps_negative_advantages_only() -> None:
+    ratios = torch.tensor([[0.5, 2.0, 3.0, 50.0], [0.5, 2.0, 3.0, 50.0]])
+    logprobs = torch.log(ratios).requires_grad_(True)
+    old, adv = torch.zeros(2, 4), torch.tensor([[-1.0] * 4, [1.0] * 4])
+    loss, stats = policy_loss(logprobs, old, adv, torch.ones(2, 4), 0.2, dual_clip=3.0)
+    # A=-1, cap -C*A = 3: r=0.5 -> max(0.5, 0.8) = 0.8; r=2 -> 2 (< 3); r=3 -> 3 (at the cap);
+    #       r=50 -> max(50, 1.2) = 50, capped to 3
+    # A=+1 (no cap): r=0.5 -> -0.5; r=2, 3, 50 -> max(-r, -1.2) = -1.2
+    # mean = (0.8 + 2 + 3 + 3 - 0.5 - 1.2 - 1.2 - 1.2) / 8 = 4.7 / 8 = 0.5875
+    close(loss, 0.5875)
+    loss.backward()
+    # gradient -A*r/8 where the unclipped term is used: (A=-1, r=2): 2/8; (A=+1, r=0.5): -0.5/8;
+    # 0 where clipped or capped (r=50 with A<0 no longer pushes)
+    close(logprobs.grad[:, [0, 1, 3]], [[0.0, 2.0 / 8, 0.0], [-0.5 / 8, 0.0, 0.0]])
+    # without dual-clip the r=50 token costs 50: (0.8 + 2 + 3 + 50 - 4.1) / 8 = 51.7 / 8
+    close(policy_loss(logprobs, old, adv, torch.ones(2, 4), 0.2)[0], 51.7 / 8)
+    # capped fraction away from the boundary column: 1 of 6 tokens
+    off_boundary = torch.tensor([[1, 1, 0, 1], [1, 1, 0, 1]])
+    close(policy_loss(logprobs, old, adv, off_boundary, 0.2, dual_clip=3.0)[1]["dual_clipfrac"], 1.0 / 6.0)
+    assert stats["dual_clipfrac"].requires_grad is False
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        policy_loss(logprobs, old, adv, torch.ones(2, 4), 0.2, dual_clip=1.0)
 
 
 def test_value_loss_clip_boundaries() -> None:
@@ -330,6 +504,36 @@ def test_grouped_pairwise_loss_weighs_each_prompt_as_one_item() -> None:
     grouped_pairwise_loss(s, c, r, g).backward()
     sig = torch.sigmoid
     close(s.grad[0], -(sig(torch.tensor(-2.0)) + sig(torch.tensor(-1.0))) / 4)
+
+
+def test_dpo_sigmoid_cdpo_and_ipo() -> None:
+    # pair 1: policy -1 / -3, reference -2 / -2 -> log-ratios +1 and -1, h = 2
+    # pair 2: everything -4 -> h = 0
+    pc, pr = torch.tensor([-1.0, -4.0]), torch.tensor([-3.0, -4.0])
+    rc, rr = torch.tensor([-2.0, -4.0]), torch.tensor([-2.0, -4.0])
+    loss, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    # beta*h = 1: -log sigmoid(1) = log(1 + e^-1) = 0.3132617; beta*h = 0: log 2 = 0.6931472
+    # mean = 0.5032044;  rewards = beta * log-ratio: chosen [0.5, 0], rejected [-0.5, 0]
+    close(loss, 0.5032044)
+    close(chosen, [0.5, 0.0])
+    close(rejected, [-0.5, 0.0])
+    # cDPO, eps 0.2: pair 1: 0.8 * 0.3132617 + 0.2 * -log sigmoid(-1) = 0.2506094 + 0.2 * 1.3132617 = 0.5132617
+    # pair 2: 0.8 log 2 + 0.2 log 2 = 0.6931472 -> mean 0.6032044
+    close(dpo_loss(pc, pr, rc, rr, beta=0.5, label_smoothing=0.2)[0], 0.6032044)
+    # IPO, beta 0.25: target 1 / (2 * 0.25) = 2: (2 - 2)^2 = 0, (0 - 2)^2 = 4 -> mean 2
+    close(dpo_loss(pc, pr, rc, rr, beta=0.25, loss_type="ipo")[0], 2.0)
+    # gradient of the DPO loss w.r.t. pair 1's chosen log-prob: -beta * sigmoid(-beta*h) / B
+    # = -0.5 * 0.2689414 / 2 = -0.0672354; the rewards carry no gradient
+    pcg = pc.clone().requires_grad_(True)
+    loss, chosen, _ = dpo_loss(pcg, pr, rc, rr, beta=0.5)
+    loss.backward()
+    close(pcg.grad[0], -0.0672354)
+    assert not chosen.requires_grad
+    for kw, msg in (({"beta": 0.0}, "beta must be > 0"), ({"beta": 0.1, "label_smoothing": 0.5}, r"\[0, 0.5\)"),
+                    ({"beta": 0.1, "label_smoothing": 0.1, "loss_type": "ipo"}, "sigmoid"),
+                    ({"beta": 0.1, "loss_type": "hinge"}, "sigmoid, ipo")):
+        with pytest.raises(ValueError, match=msg):
+            dpo_loss(pc, pr, rc, rr, **kw)
 
 
 # ----------------------------------------------------------------------------- KL controllers
