@@ -78,21 +78,26 @@ def length_drift(rows: Rows, *, rel: float = 0.5, min_tokens: float = 4.0, windo
 
 
 def entropy_collapse(rows: Rows, *, frac: float = 0.3, floor: float = 0.05, window: int = 3) -> Alarm | None:
-    """Entropy collapsing: the rolling mean of the per-token policy entropy (``policy/entropy_avg``)
-    falls below ``frac`` (30%) of its mean over the first 3 steps, or below ``floor`` (0.05 nats).
-    A collapsed policy repeats one answer; exploration and the KL estimate both suffer."""
-    s = series(rows, "policy/entropy_avg")
-    if len(s) < 2:
-        return None
-    vals = [v for _, v in s]
-    base = _baseline(vals)
-    for i in range(1, len(s)):
-        now = _rolling(vals, i, window)
-        if now < floor or (i >= 3 and now < frac * base):
-            return Alarm("entropy_collapse", s[i][0], f"policy entropy fell to {now:.3f} nats/token from "
-                         f"{base:.3f}; the policy is collapsing onto few answers (lower --actor-lr, raise "
-                         "--kl-coef or add --entropy-coef)", {"entropy": now, "baseline": base})
-    return None
+    """Entropy collapsing: the rolling mean (``window`` steps) of the per-token policy entropy
+    (``policy/entropy_avg``) or of the entropy of whole responses (``objective/entropy``, nats per
+    response) falls below ``frac`` (30%) of its mean over the first 3 steps, or the per-token one
+    below ``floor`` (0.05 nats). Both: a policy can keep its per-token entropy while its answers
+    shrink to a few near-certain tokens. A collapsed policy repeats one answer; exploration and the
+    KL estimate both suffer."""
+    found = []
+    for key, unit, low in (("policy/entropy_avg", "nats/token", floor), ("objective/entropy", "nats/response", 0.0)):
+        s = series(rows, key)
+        vals = [v for _, v in s]
+        base = _baseline(vals) if vals else 0.0
+        for i in range(1, len(s)):
+            now = _rolling(vals, i, window)
+            if now < low or (i >= 3 and now < frac * base):
+                found.append(Alarm("entropy_collapse", s[i][0], f"policy entropy fell to {now:.3f} {unit} from "
+                                   f"{base:.3f}; the policy is collapsing onto few answers (lower --actor-lr, raise "
+                                   "--kl-coef or --kl-target lower, or add --entropy-coef)",
+                                   {"entropy": now, "baseline": base}))
+                break
+    return min(found, key=lambda a: a.step) if found else None
 
 
 def kl_runaway(rows: Rows, *, target: float | None = None, factor: float = 2.0, patience: int = 3) -> Alarm | None:
@@ -192,6 +197,31 @@ def check_all(rows: Rows, *, kl_target: float | None = None, proxy: str | None =
     if proxy and gold:
         found.append(over_optimisation(rows, proxy=proxy, gold=gold))
     return sorted((a for a in found if a is not None), key=lambda a: a.step)
+
+
+class LiveAlarms:
+    """The checks of :func:`check_all` re-run after every step of a run, on the rows so far: an
+    alarm that fires for the first time is reported once (``emit``, a warning line) and marked in
+    that step's metrics row as ``alarm/<name>: 1``, so ``metrics.jsonl`` and TensorBoard show when.
+    ``rows``: the rows of the steps before (a resumed run), whose alarms are not reported again."""
+
+    def __init__(self, *, kl_target: float | None, emit: Callable[[str], None] | None = None,
+                 rows: Rows | None = None):
+        self.kl_target = kl_target
+        self.emit = emit or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.rows: Rows = list(rows or [])
+        self.seen = {k.removeprefix("alarm/") for r in self.rows for k in r if k.startswith("alarm/")}
+
+    def __call__(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        self.rows.append({"step": step, **metrics})
+        marks = {}
+        for a in check_all(self.rows, kl_target=self.kl_target):
+            if a.name not in self.seen:
+                self.seen.add(a.name)
+                self.emit(f"warning: alarm {a.name} at step {step}: {a.message}")
+                marks[f"alarm/{a.name}"] = 1.0
+        self.rows[-1].update(marks)
+        return marks
 
 
 class AlarmWatcher:

@@ -569,7 +569,8 @@ class AdaptiveKLController:
         self.horizon: float = float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        """Move the coefficient after ``n_steps`` samples with mean KL ``current_kl``."""
+        """Move the coefficient after ``n_steps`` (in the horizon's unit: ppolm passes 1 per PPO
+        update, Ziegler et al. the batch's sample count) with mean KL ``current_kl``."""
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ppolm import checkpoint, config, core, precision
+from ppolm import alarms, checkpoint, config, core, precision
 from ppolm import rollout as ro
 from ppolm.errors import PPOLMError
 from ppolm.ppo_config import PPOConfig
@@ -590,7 +590,7 @@ class PPOTrainer:
         #    policy, hence the KL it is steering, where it was); advance the learning-rate schedules.
         mean_kl = kl.sum(1).mean().item()
         if not skipped and math.isfinite(mean_kl):
-            self.kl_ctl.update(mean_kl, a.batch_size)
+            self.kl_ctl.update(mean_kl, 1)  # one PPO update: --kl-horizon counts updates
         lr, critic_lr = self.actor_sched.get_last_lr()[0], self.critic_sched.get_last_lr()[0]
         self.actor_sched.step()
         self.critic_sched.step()
@@ -870,12 +870,17 @@ class PPOTrainer:
         step = self.start_step
         try:
             tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet, t0=t_begin)
+            # the debugging checklist's alarms, live (ppolm/alarms.py): warned once, marked in metrics.jsonl
+            live_alarms = alarms.LiveAlarms(kl_target=cfg.kl.kl_target if cfg.kl.adaptive_kl else None,
+                                            emit=tracker.warn,
+                                            rows=tracking.read_jsonl(self.out / "metrics.jsonl"))
             if first_eval is not None:
                 tracker.log_eval(0, *first_eval)
                 self.maybe_keep_best(0, first_eval[0])
             for step in range(self.start_step, cfg.algo.steps):
                 metrics, samples = first if step == self.start_step else self.step(step)
                 first = None
+                metrics.update(live_alarms(step, metrics))
                 tracker.log(step, metrics)
                 if samples:
                     tracker.samples(samples)

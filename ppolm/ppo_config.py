@@ -140,8 +140,8 @@ class KLConfig:
     """Adapt beta to keep KL near --kl-target (Ziegler et al. 2019); off = fixed beta."""
     kl_target: float = 6.0
     """Target KL (nats per response, summed over tokens) for the adaptive controller."""
-    kl_horizon: int = 10000
-    """Horizon of the adaptive controller, in rollouts."""
+    kl_horizon: int = 10
+    """Horizon of the adaptive controller, in PPO updates: each update moves beta by at most 20%/horizon (beta *= 1 + clip(KL/target - 1, +-0.2) / horizon). Ziegler et al. count it in samples (10000, with batches of 512: ~20 updates); counted in samples it would barely move at the small batches of a laptop (8 rollouts: 0.02% per update), so ppolm counts updates."""
 
 
 @dataclass

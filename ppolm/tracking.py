@@ -91,6 +91,13 @@ class Tracker:
             print(f"step {step + 1}/{self.total}  {live}  {el:.0f}s elapsed, eta {eta:.0f}s", file=sys.stderr,
                   flush=True)
 
+    def warn(self, msg: str) -> None:
+        """One warning line, above the progress bar when there is one."""
+        if self.progress is not None:
+            self.progress.console.print(msg, markup=False, highlight=False)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
     def log_eval(self, updates: int, metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         """Held-out evaluation after ``updates`` PPO steps: eval.jsonl, eval_samples.jsonl, TensorBoard."""
         with open(self.out / "eval.jsonl", "a", encoding="utf-8") as f:

@@ -44,6 +44,29 @@ def test_entropy_collapse():
     assert alarms.entropy_collapse(rows(10, **{"policy/entropy_avg": lambda i: 1.5 - 0.05 * i})) is None
 
 
+def test_entropy_collapse_of_whole_responses():
+    # per token steady (1.5 nats), but responses shrink: 39 -> 8 nats per response (a fall to a
+    # fifth, as a run whose answers collapse onto a few near-certain tokens)
+    total = [39.0, 39.0, 38.0, 30.0, 20.0, 12.0, 8.0, 8.0, 8.0, 8.0]
+    a = alarms.entropy_collapse(rows(10, **{"objective/entropy": total}))
+    # rolling means of 3: step 5 -> (30+20+12)/3 = 20.67 > 0.3 * 38.67 = 11.6; step 6 -> 13.33; step 7 -> 9.33
+    assert a and a.step == 7 and a.values["entropy"] == pytest.approx(28 / 3)
+    assert "nats/response" in a.message
+    assert alarms.entropy_collapse(rows(10, **{"objective/entropy": [39.0] * 3 + [20.0] * 7})) is None
+
+
+def test_live_alarms_warn_once_and_mark_the_row():
+    said: list[str] = []
+    live = alarms.LiveAlarms(kl_target=6.0, emit=said.append)
+    marks = [live(r["step"], {k: v for k, v in r.items() if k != "step"})
+             for r in rows(10, **{"objective/kl": lambda i: 2.0 if i < 4 else 15.0})]
+    # KL above 2 x 6 from step 4 on: the third such step (6) fires, once
+    assert [i for i, m in enumerate(marks) if m] == [6] and marks[6] == {"alarm/kl_runaway": 1.0}
+    assert len(said) == 1 and said[0].startswith("warning: alarm kl_runaway at step 6")
+    resumed = alarms.LiveAlarms(kl_target=6.0, emit=said.append, rows=live.rows[:8])
+    assert resumed(8, {**live.rows[8]}) == {} and len(said) == 1  # fired before the resume: not again
+
+
 def test_kl_runaway():
     a = alarms.kl_runaway(rows(10, **{"objective/kl": lambda i: 3.0 * i}), target=6.0)
     assert a and a.name == "kl_runaway" and a.values["limit"] == 12.0
@@ -123,6 +146,22 @@ def tiny_run(tiny_policy_dir, tiny_rm_dir, tmp_path_factory):
         best_metric="eval/gold_judge"))
     train_ppo(cfg)
     return out
+
+
+def test_ppo_warns_live_and_records_alarms(tiny_policy_dir, tmp_path, capfd):
+    # a KL target far below what any update produces: KL runs away within the first steps
+    from ppolm import config
+    from ppolm.ppo import train_ppo
+    from ppolm.ppo_config import PPOConfig
+
+    cfg = config.build(PPOConfig, dict(
+        model=str(tiny_policy_dir), reward_fn=["ppolm.builtin_rewards:positive_sentiment"], steps=5, batch_size=4,
+        ppo_epochs=4, response_length=8, output_dir=str(tmp_path / "run"), quiet=True, precision="fp32",
+        actor_lr=1e-2, kl_target=1e-4, save_every=10))
+    result = train_ppo(cfg)
+    fired = [r["step"] for r in result.metrics if r.get("alarm/kl_runaway") == 1.0]
+    assert len(fired) == 1
+    assert f"warning: alarm kl_runaway at step {fired[0]}" in capfd.readouterr().err
 
 
 def test_report_of_a_tiny_run(tiny_run):
