@@ -1,0 +1,142 @@
+"""How much do ppolm's PPO defaults learn on short rule-based rewards, against TRL's GRPO on the same budget?
+
+For each task of bench/learning_tasks.py (punctuation, word budget, vocabulary, format) and each
+system, train the embedded SmolLM2-135M-Instruct for --steps steps of 8 samples with at most 32 new
+tokens, then score it *independently*: plain transformers sampling at temperature 1 (no top-k/top-p),
+4 samples for each of 32 held-out prompts, and the KL to the starting model measured on those
+samples (nats per response, sum over tokens of log p - log p_ref). "closed" is the share of the gap
+from the starting model's held-out reward to the maximum (1) that training closed.
+
+    python bench/learning.py --out /tmp/learning [--tasks exclaim,short,keyword,question]
+        [--systems ppo,grpo] [--grpo-lrs 5e-5,1e-4] [--trl-python /path/to/venv-with-trl/bin/python]
+        [--ppo-args "--actor-lr 1e-5"] [--tag NAME]
+
+TRL runs in its own virtual environment (`pip install torch==2.13.0 "trl==1.16.*"`), as a
+subprocess; ppolm never imports it. Results are cached per run in --out, so a rerun only trains
+what is missing; the table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from learning_tasks import HELD_OUT, TASKS  # noqa: E402
+
+
+def score(model_dir: str | Path, ref_dir: str | Path, task: str, samples: int = 4, seed: int = 1234) -> dict:
+    """Held-out reward (mean, se over prompts) and KL to the reference, sampling at temperature 1."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ref_dir)
+    tok.padding_side = "left"
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    fn = TASKS[task]
+    prompts = [p for p in HELD_OUT for _ in range(samples)]
+    texts_in = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                for p in prompts]
+    torch.manual_seed(seed)
+    rewards, kls = [], []
+    for i in range(0, len(prompts), 64):  # decoding is memory-bound: 64 sequences cost little more than 4
+        enc = tok(texts_in[i:i + 64], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=32,
+                                 eos_token_id=eos, pad_token_id=tok.pad_token_id)
+        p = enc["input_ids"].shape[1]
+        resp = out[:, p:]
+        ended = (resp == eos).int().cumsum(1)  # real response tokens: up to and including the first EOS
+        mask = ((ended == 0) | ((ended == 1) & (resp == eos))).long()
+        texts = tok.batch_decode(resp * mask + tok.pad_token_id * (1 - mask), skip_special_tokens=True)
+        rewards += fn(prompts[i:i + 64], texts)
+        full_mask = torch.cat([enc["attention_mask"], mask], 1)
+        pos = (full_mask.cumsum(1) - 1).clamp(min=0)
+        with torch.no_grad():
+            lp, lq = (torch.log_softmax(m(input_ids=out, attention_mask=full_mask, position_ids=pos).logits[:, p - 1:-1]
+                                        .float(), -1).gather(-1, resp[..., None]).squeeze(-1) for m in (model, ref))
+        kls += ((lp - lq) * mask).sum(1).tolist()
+    per_prompt = [sum(rewards[j:j + samples]) / samples for j in range(0, len(rewards), samples)]
+    n = len(per_prompt)
+    mean = sum(per_prompt) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in per_prompt) / (n - 1) / n)
+    return {"reward": mean, "se": se, "kl": sum(kls) / len(kls)}
+
+
+def run(cmd: list[str], log: Path) -> float:
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tasks", default="exclaim,short,keyword,question")
+    ap.add_argument("--systems", default="ppo,grpo")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--grpo-lrs", default="5e-5,1e-4")
+    ap.add_argument("--trl-python", default=None, help="a Python with trl installed (needed for grpo)")
+    ap.add_argument("--ppo-args", default="", help="extra ppolm ppo options (a variant of the defaults)")
+    ap.add_argument("--tag", default="defaults", help="name of the ppolm variant in the table")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from ppolm.models import EMBEDDED_DEFAULT, resolve_model_dir
+
+    ref = resolve_model_dir(EMBEDDED_DEFAULT)
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+
+    for task in args.tasks.split(","):
+        if f"{task}/start" not in results:
+            results[f"{task}/start"] = {**score(ref, ref, task), "wall_s": 0.0}
+            save()
+        jobs = []
+        if "ppo" in args.systems:
+            jobs.append((f"{task}/ppo-{args.tag}", [sys.executable, "-m", "ppolm.cli", "ppo", "--reward-fn",
+                         f"{HERE / 'learning_tasks.py'}:{task}", "--steps", str(args.steps), "--response-length", "32",
+                         "--seed", str(args.seed), "--quiet", "--overwrite", *shlex.split(args.ppo_args)], "policy"))
+        if "grpo" in args.systems and args.trl_python:
+            for lr in args.grpo_lrs.split(","):
+                jobs.append((f"{task}/grpo-lr{lr}", [args.trl_python, str(HERE / "trl_grpo.py"), "--model", str(ref),
+                             "--task", task, "--lr", lr, "--steps", str(args.steps), "--seed", str(args.seed)], ""))
+        for key, cmd, sub in jobs:
+            if key in results:
+                continue
+            d = out / key.replace("/", "__")
+            cmd = cmd + ["--output-dir" if cmd[1] == "-m" else "--out", str(d)]
+            wall = run(cmd, out / (key.replace("/", "__") + ".log"))
+            metrics = {}
+            if sub == "policy":
+                rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+                metrics = {"train_kl_last": rows[-1]["objective/kl"], "beta_last": rows[-1]["objective/kl_coef"]}
+            results[key] = {**score(d / sub if sub else d, ref, task), "wall_s": round(wall, 1), **metrics}
+            save()
+            print(key, json.dumps(results[key]), flush=True)
+
+    print(f"\n{'task':9} {'system':22} {'reward':>14} {'closed':>7} {'KL':>6} {'wall s':>7}")
+    for key, r in sorted(results.items()):
+        task, system = key.split("/")
+        start = results[f"{task}/start"]["reward"]
+        closed = (r["reward"] - start) / (1 - start) if start < 1 else float("nan")
+        print(f"{task:9} {system:22} {r['reward']:7.3f} ± {r['se']:.3f} {100 * closed:6.0f}% {r['kl']:6.2f} "
+              f"{r['wall_s']:7.0f}")
+
+
+if __name__ == "__main__":
+    main()

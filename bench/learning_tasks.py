@@ -1,0 +1,59 @@
+"""Short rule-based rewards for bench/learning.py, in TRL's GRPO convention f(prompts, completions) -> floats.
+
+Each is in [0, 1] (1 = the maximum, so "share of the gap closed" = (after - before) / (1 - before)).
+"""
+
+from __future__ import annotations
+
+import re
+
+KEYWORDS = ("bright", "gentle", "golden")
+
+
+def _text(c) -> str:
+    return c if isinstance(c, str) else c[-1]["content"]  # a string, or TRL's chat-message list
+
+
+def exclaim(prompts, completions, **kwargs):
+    """Punctuation: up to three exclamation marks (1/3 each)."""
+    return [min(_text(c).count("!"), 3) / 3 for c in completions]
+
+
+def short(prompts, completions, **kwargs):
+    """Word budget: 1 up to 10 words, then 0.05 less per word beyond (0 from 30 words)."""
+    out = []
+    for c in completions:
+        n = len(_text(c).split())
+        out.append(1.0 if n <= 10 else max(0.0, 1.0 - (n - 10) / 20))
+    return out
+
+
+def keyword(prompts, completions, **kwargs):
+    """Vocabulary: the share of the words bright, gentle and golden that the answer uses."""
+    out = []
+    for c in completions:
+        words = set(re.findall(r"[a-z]+", _text(c).lower()))
+        out.append(sum(k in words for k in KEYWORDS) / len(KEYWORDS))
+    return out
+
+
+def question(prompts, completions, **kwargs):
+    """Format: the answer is one question: it ends with '?' (1), half if a '?' appears elsewhere."""
+    out = []
+    for c in completions:
+        t = _text(c).strip()
+        out.append(1.0 if t.endswith("?") else 0.5 if "?" in t else 0.0)
+    return out
+
+
+TASKS = {"exclaim": exclaim, "short": short, "keyword": keyword, "question": question}
+
+HELD_OUT = [f"Write one sentence about {x}." for x in (
+    "a lighthouse", "autumn leaves", "a train journey", "a chess game", "fresh bread", "a rainy afternoon",
+    "a museum visit", "a mountain village")] + [f"Describe {x} in one short sentence." for x in (
+    "a busy market", "a quiet library", "a summer storm", "a football match", "a garden at dawn",
+    "a snowy street", "a river bank", "a night sky")] + [f"Say something nice about {x}." for x in (
+    "a nurse", "a bus driver", "an old friend", "a local bakery", "a public park", "a science teacher",
+    "a neighbour's dog", "a cycling club")] + [f"Write a short review of {x}." for x in (
+    "a pizza place", "a detective novel", "a jazz album", "a hiking boot", "a city tour", "a board game",
+    "a coffee machine", "a theatre play")]
