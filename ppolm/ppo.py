@@ -175,14 +175,14 @@ class PromptOrder:
 
 class PPOTrainer:
     def __init__(self, cfg: PPOConfig):
-        from ppolm import models
-        from ppolm.data import load_prompts, load_text_corpus
-        from ppolm.rewards import Rewarder, RewardFunction, RewardModel, function_name, load_reward_fn
+        from ppolm import models, ppo_models
+        from ppolm.frozen import FrozenModels
+        from ppolm.rewards import RewardFunction, function_name, load_reward_fn
 
         refuse_data_parallel()
         cfg.validate()
         self.cfg = cfg
-        m, a = cfg.model, cfg.algo
+        m = cfg.model
         self.out = Path(cfg.run.output_dir)
         prepare_output_dir(self.out, cfg)
         self.device = resolve_device(m.device)
@@ -196,123 +196,64 @@ class PPOTrainer:
         weights = cfg.reward.reward_fn_weights or [1.0] * len(specs)
         taken: set[str] = set()
         functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), w) for s, w in zip(specs, weights)]
-
+        self.eval_functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), 1.0)
+                               for s in cfg.run.eval_reward_fn]
         self.tokenizer = models.load_tokenizer(m.model)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         # Data before models, so a bad file fails in seconds, not after loading four models.
+        model_dir = models.resolve_model_dir(m.model, allow_pickle=m.allow_pickle)
+        self.load_data(model_dir)
+        self.best_value = -math.inf
+
+        # The four models (ppolm/ppo_models.py): policy, reference, rewarder, critic
+        built = ppo_models.build(cfg, self.tokenizer, model_dir, functions, self.dtype, self.device)
+        self.policy, self.reference, self.rewarder = built.policy, built.reference, built.rewarder
+        self.critic, self.value_head, self.tap, self.value_bias = built.critic, built.value_head, built.tap, \
+            built.value_bias
+        self.critic_from_rm, self.critic_source = built.critic_from_rm, built.critic_source
+        # The frozen models' work on each rollout, with the trunk they share (ppolm/frozen.py)
+        self.frozen = FrozenModels(self.policy, self.reference, self.rewarder, self.tokenizer,
+                                   temperature=cfg.generation.temperature, device=self.device, tap=self.tap,
+                                   critic_from_rm=self.critic_from_rm, share_trunk=m.share_trunk,
+                                   critic_entry=self.critic.total_layers - self.critic.n if self.tap else 0)
+        self.policy_start = self.frozen.policy_start
+        self.build_optimisers()
+        k = cfg.kl
+        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon) if k.adaptive_kl
+                       else core.FixedKLController(k.kl_coef))
+        self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
+        self.skipped_total = 0
+        self.consecutive_skips = 0
+        self.start_step = 0
+        self.warned: set[str] = set()
+
+    def load_data(self, model_dir: Path) -> None:
+        """The training and held-out prompts (checked against the model's context length) and the
+        PPO-ptx corpus."""
         from transformers import AutoConfig
 
-        model_dir = models.resolve_model_dir(m.model, allow_pickle=m.allow_pickle)
+        from ppolm.data import load_prompts, load_text_corpus
+
+        cfg, m, g = self.cfg, self.cfg.model, self.cfg.generation
         ctx = getattr(AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code),
                       "max_position_embeddings", None)
-        self.prompts = load_prompts(cfg.run.prompts, self.tokenizer, chat_template=cfg.run.chat_template,
-                                    max_length=cfg.generation.max_prompt_length, context_length=ctx,
-                                    response_length=cfg.generation.response_length)
-        self.eval_prompts = None
-        if cfg.run.eval_prompts is not None:
-            self.eval_prompts = load_prompts(cfg.run.eval_prompts, self.tokenizer, chat_template=cfg.run.chat_template,
-                                             max_length=cfg.generation.max_prompt_length, context_length=ctx,
-                                             response_length=cfg.generation.response_length)
-        self.eval_functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), 1.0)
-                               for s in cfg.run.eval_reward_fn]
-        self.best_value = -math.inf
+
+        def prompts(path: str | None) -> list[Any]:
+            return load_prompts(path, self.tokenizer, chat_template=cfg.run.chat_template,
+                                max_length=g.max_prompt_length, context_length=ctx, response_length=g.response_length)
+
+        self.prompts = prompts(cfg.run.prompts)
+        self.eval_prompts = prompts(cfg.run.eval_prompts) if cfg.run.eval_prompts is not None else None
         self.ptx_ids = None
-        if a.ptx_coef > 0:
-            texts = load_text_corpus(a.ptx_data)  # type: ignore[arg-type]
+        if cfg.algo.ptx_coef > 0:
+            texts = load_text_corpus(cfg.algo.ptx_data)  # type: ignore[arg-type]
             self.ptx_ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:256] for t in texts]
             self.ptx_ids = [x for x in self.ptx_ids if len(x) >= 2]
 
-        # 1. policy (trained) and 2. reference (frozen)
-        self.policy = models.load_causal_lm(m.model, dtype=self.dtype, device=self.device,
-                                            trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
-        models.check_output_path(self.policy)
-        self.reference = None
-        if m.lora_r > 0:
-            from peft import LoraConfig, get_peft_model
-
-            targets: Any = m.lora_target if m.lora_target == "all-linear" else m.lora_target.split(",")
-            self.policy = get_peft_model(self.policy, LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha,
-                                                                 lora_dropout=0.0, target_modules=targets,
-                                                                 task_type="CAUSAL_LM"))
-        else:
-            self.reference = models.load_causal_lm(m.model, dtype=self.dtype, device=self.device,
-                                                   trust_remote_code=m.trust_remote_code,
-                                                   allow_pickle=m.allow_pickle).requires_grad_(False)
-        self.policy.train()  # dropout is already 0 in every model; train() only matters to peft
-
-        # 3. reward: frozen reward models and/or functions
-        rms = [RewardModel(p, dtype=self.dtype, device=self.device, trust_remote_code=m.trust_remote_code,
-                           allow_pickle=m.allow_pickle) for p in cfg.reward.reward_model]
-        self.rm_same_vocab = [rm.tokenizer.get_vocab() == self.tokenizer.get_vocab() for rm in rms]
-        self.rewarder = Rewarder(rms, functions, model_weight=cfg.reward.reward_model_weight,
-                                 ensemble_rule=cfg.reward.reward_ensemble)
-
-        # 4. critic: a separate model (from the RM or the policy), by default only its top layers
-        #    trained on the frozen trunk they share with that model (ppolm/critic.py); or a value
-        #    head on the policy's trunk
-        self.critic, self.value_head, self.tap = None, None, None
-        self.critic_from_rm = False
-        self.value_bias: torch.nn.Parameter | None = None  # the critic's share of the RM normalisation
-        if m.critic == "shared":
-            d = self.policy.config.hidden_size
-            self.value_head = torch.nn.Linear(d, 1).to(self.device)
-            torch.nn.init.zeros_(self.value_head.weight)
-            torch.nn.init.zeros_(self.value_head.bias)
-        else:
-            from ppolm import critic as critic_lib
-
-            from_rm = bool(m.critic_init == "reward" and rms)
-            if from_rm and not self.rm_same_vocab[0]:
-                print(f"the reward model {rms[0].name} has its own tokenizer: the critic starts from the policy",
-                      file=sys.stderr)
-                from_rm = False
-            self.critic_from_rm = from_rm
-            head = "keep" if from_rm and not m.critic_zero_head else "value"  # "value": a zero head
-            self.critic_source = (rms[0].dir if from_rm else model_dir, head)
-            load = dict(dtype=self.dtype, device=self.device, trust_remote_code=m.trust_remote_code,
-                        allow_pickle=m.allow_pickle)
-            frozen = rms[0].model if from_rm else (self.reference if self.reference is not None else self.policy)
-            built = critic_lib.build(self.critic_source[0], frozen, m.critic_layers,
-                                     head_init=self.critic_source[1], **load)
-            if built is not None:
-                self.critic, self.tap = built
-            else:
-                self.critic = models.load_scalar_model(self.critic_source[0], head_init=self.critic_source[1],
-                                                       **load)
-            self.critic.train()
-            if from_rm and not m.critic_zero_head:
-                # The RM scores through its normalisation (gain, bias); so does the critic at the start, so
-                # its first values are on the scale of the returns (else explained variance starts << 0).
-                head = models._unwrap(self.critic.model if self.tap is not None else self.critic).score
-                with torch.no_grad():
-                    head.weight.mul_(rms[0].gain)
-                self.value_bias = torch.nn.Parameter(torch.tensor(float(rms[0].bias), device=self.device))
-
-        # Frozen layers the reference has in common with the reward models (and, with LoRA on the top
-        # layers only, with the policy) are stored once and run once per batch (ppolm/trunk.py).
-        from ppolm import trunk as trunk_lib
-
-        ref_model = self.reference if self.reference is not None else self.policy
-        self.rm_start = [0] * len(rms)
-        self.policy_start = 0
-        if m.share_trunk:
-            for i, rm in enumerate(rms):
-                k = trunk_lib.shared_prefix(ref_model, rm.model) if self.rm_same_vocab[i] else 0
-                if k:
-                    trunk_lib.alias(ref_model, rm.model, k)
-                    self.rm_start[i] = k
-            if self.reference is None:
-                self.policy_start = trunk_lib.policy_prefix(self.policy)
-            if self.tap is not None and self.critic_from_rm:
-                # the critic's trunk enters a layer the reward model now shares: tap the reference's
-                j = self.critic.total_layers - self.critic.n
-                if j < self.rm_start[0]:
-                    self.tap.layer = critic_lib.stack(ref_model)[1][j]  # type: ignore[index]
-        self.recorder = (trunk_lib.Recorder(ref_model, set(self.rm_start) | {self.policy_start})
-                         if any(self.rm_start) or self.policy_start else None)
-
-        # Optimisers: separate learning rates for actor and critic (Adam eps 1e-5, detail 16)
-        # (with bf16 models, the optimisers step fp32 master copies; ppolm/precision.py)
+    def build_optimisers(self) -> None:
+        """Separate AdamW optimisers and learning rates for actor and critic (Adam eps 1e-5, detail
+        16); with bf16 models they step fp32 master copies (ppolm/precision.py)."""
+        a = self.cfg.algo
         self.actor = precision.MasterWeights(p for p in self.policy.parameters() if p.requires_grad)
         self.critic_weights = precision.MasterWeights(p for _, p in self.critic_named_parameters())
         self.actor_params, self.critic_params = self.actor.params, self.critic_weights.params
@@ -323,14 +264,6 @@ class PPOTrainer:
         decay = (lambda s: max(0.0, 1.0 - s / a.steps)) if a.lr_schedule == "linear" else (lambda s: 1.0)
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
         self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, decay)
-        k = cfg.kl
-        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon) if k.adaptive_kl
-                       else core.FixedKLController(k.kl_coef))
-        self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
-        self.skipped_total = 0
-        self.consecutive_skips = 0
-        self.start_step = 0
-        self.warned: set[str] = set()
 
     # ----------------------------------------------------------------------------------------
     def prompt_batch(self, step: int) -> list[Any]:
@@ -363,78 +296,12 @@ class PPOTrainer:
             v = v + self.value_bias
         return logp, ent, v
 
-    @torch.no_grad()
-    def reference_pass(self, roll: ro.Rollout) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Reference log-probs (B, R) and the hidden states, by layer index, where the reward models
-        and the policy part from the reference's frozen layers (empty when nothing is shared)."""
-        if self.recorder is None:
-            return self.reference_logprobs(roll), {}
-        with self.recorder.record() as found:
-            ref = self.reference_logprobs(roll)
-        if self.policy_start:
-            # The policy runs from the state entering its first adapted layer (forward_train), so its
-            # reference (the adapter disabled) must take the same path: then both compute the same
-            # operations on the same numbers until the first update (KL 0, ratio 1), also in bf16,
-            # where two paths to one result differ by rounding.
-            with self.policy.disable_adapter():
-                ref = ro.logprobs(self.policy, roll, self.cfg.generation.temperature, self.policy_start,
-                                  found[self.policy_start])
-        return ref, found
-
-    @torch.no_grad()
-    def reference_logprobs(self, roll: ro.Rollout) -> torch.Tensor:
-        t = self.cfg.generation.temperature
-        if self.reference is None:  # LoRA: the reference is the policy without its adapter
-            with self.policy.disable_adapter():
-                return ro.logprobs(self.policy, roll, t)
-        return ro.logprobs(self.reference, roll, t)
-
-    @torch.no_grad()
-    def score(self, roll: ro.Rollout, prompts: list[Any], rewarder: Any = None,
-              found: dict[int, torch.Tensor] | None = None
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
-        """Score each full prompt+response once; (B,) total plus each source's (B,). ``found``: the
-        reference pass's hidden states, from which reward models sharing its layers start."""
-        rewarder = rewarder or self.rewarder
-        texts = self.tokenizer.batch_decode(roll.response * roll.response_mask + self.pad_id * (1 - roll.response_mask),
-                                            skip_special_tokens=True)
-
-        def rm_scores(rm: Any) -> torch.Tensor:
-            i = rewarder.models.index(rm)
-            if self.rm_same_vocab[i]:
-                k = self.rm_start[i]
-                if found and k in found:
-                    return rm.score_ids(roll.input_ids, roll.attention_mask, k, found[k])
-                return rm.score_ids(roll.input_ids, roll.attention_mask, split=roll.split)
-            full = self.tokenizer.batch_decode(
-                [row[mask.bool()] for row, mask in zip(roll.input_ids, roll.attention_mask)])
-            return rm.score_texts(full)
-
-        keys = sorted({k for p in prompts for k in p.extra})
-        columns = {k: [p.extra.get(k) for p in prompts] for k in keys}
-        total, parts = rewarder.score(model_inputs=rm_scores, prompts=[p.raw for p in prompts],
-                                           completions=texts, columns=columns)
-        return total.to(self.device), parts, texts
-
     def penalise(self, scores: torch.Tensor, roll: ro.Rollout) -> torch.Tensor:
         """The missing-EOS and length penalties on the sources' total (:func:`ppolm.core.penalise_scores`),
         for training and held-out evaluation alike."""
         r = self.cfg.reward
         return core.penalise_scores(scores, roll.ended, roll.lengths, r.missing_eos_penalty, r.length_penalty,
                                     r.length_budget)
-
-    @torch.no_grad()
-    def trunk_hidden(self, roll: ro.Rollout) -> torch.Tensor:
-        """The frozen trunk's hidden state for a top-layers critic when no tapped pass ran this step
-        (e.g. a reward-model weight of zero): one forward of the frozen model under the tap."""
-        from ppolm.models import scalar_forward
-
-        with self.tap.capture():
-            if self.critic_from_rm:
-                scalar_forward(self.rewarder.models[0].model, roll.input_ids, roll.attention_mask, split=roll.split)
-            else:
-                self.reference_logprobs(roll)
-        return self.tap.hidden
 
     def optimizer_step(self) -> bool:
         """Clip and step both optimisers; skip both if any gradient is non-finite."""
@@ -484,38 +351,25 @@ class PPOTrainer:
         _trim()
         t_rollout = time.perf_counter()
 
-        # 2. Score: reward models/functions on prompt+response; penalties for no EOS and length.
-        #    (A top-layers critic taps the hidden state of its frozen trunk in steps 2 and 3.)
-        def tapping() -> contextlib.AbstractContextManager:
-            return self.tap.capture() if self.tap is not None else contextlib.nullcontext()
+        # 2. Score and reference: the frozen models' pass (reference log-probs, reward models and
+        #    functions on prompt+response, the critic's tap; ppolm/frozen.py); then the penalties for
+        #    no EOS and length.
+        fo = self.frozen.run(roll, prompts)
+        scores = self.penalise(fo.scores, roll)  # (B,)
 
-        #    The reference pass comes first: reward models (and a LoRA policy) that share its frozen
-        #    lower layers start from the hidden state it recorded (ppolm/trunk.py).
-        if self.tap is not None:
-            self.tap.hidden = None
-        with tapping():
-            ref_logprobs, found = self.reference_pass(roll)  # (B, R)
-        with tapping():
-            scores, parts, texts = self.score(roll, prompts, found=found)  # (B,)
-        scores = self.penalise(scores, roll)
-
-        # 3. The rollout policy's own log-probs and values (the reference's came above). With one
-        #    minibatch per epoch the first epoch's forward pass *is* the rollout pass (ratio 1
-        #    exactly), so it runs once, with grad, and is reused below: no repeated forward pass.
-        entering = found.get(self.policy_start) if self.policy_start else None
-        trunk = None
-        if self.tap is not None:
-            trunk = self.tap.hidden if self.tap.hidden is not None else self.trunk_hidden(roll)
+        # 3. The rollout policy's own log-probs and values. With one minibatch per epoch the first
+        #    epoch's forward pass *is* the rollout pass (ratio 1 exactly), so it runs once, with
+        #    grad, and the update reuses it: no repeated forward pass.
         fused = a.minibatches == 1 and a.grad_accum == 1
         _trim()
         with torch.set_grad_enabled(fused):
-            fused_out = self.forward_train(roll, a.entropy_coef > 0, trunk, entering)
-        old_logprobs, entropy, old_values = (x.detach() for x in fused_out)  # (B, R) each
+            first_pass = self.forward_train(roll, a.entropy_coef > 0, fo.critic_input, fo.policy_entering)
+        old_logprobs, entropy, old_values = (x.detach() for x in first_pass)  # (B, R) each
         t_score = time.perf_counter()
 
         # 4. Per-token KL vs the reference; the score lands on each response's last real token.
         beta = self.kl_ctl.value
-        kl = core.kl_penalty(old_logprobs, ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
+        kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         rewards, non_score = core.shape_rewards(scores, kl, beta if cfg.kl.kl_in == "reward" else 0.0, mask)
         if cfg.kl.kl_in == "loss":
             non_score = -beta * kl
@@ -528,35 +382,75 @@ class PPOTrainer:
         adv_var = core.masked_var(advantages, mask).item() if mask.sum() > 1 else 0.0
         if a.whiten_advantages:
             advantages = core.masked_whiten(advantages, mask)
+        exp = ro.Experience(roll, mask, fo.ref_logprobs, old_logprobs, entropy, old_values, scores, kl, non_score,
+                            rewards, advantages, returns, fo.critic_input, fo.policy_entering,
+                            first_pass if fused else None)
+        del first_pass
 
-        # 6. PPO epochs: fresh shuffle each epoch, minibatches, gradient accumulation, clipped losses.
+        # 6. PPO epochs: clipped policy and value losses on shuffled minibatches (skipped, and
+        #    counted, when a reward is not finite).
         finite = bool(torch.isfinite(scores).all())
         if not finite:
-            bad = [k.removeprefix("reward/") for k, v in parts.items() if not torch.isfinite(v).all()] or ["penalties"]
-            self.skip_cause = f"non-finite reward (NaN/inf) from {', '.join(bad)}"
+            bad = [k.removeprefix("reward/") for k, v in fo.parts.items() if not torch.isfinite(v).all()]
+            self.skip_cause = f"non-finite reward (NaN/inf) from {', '.join(bad or ['penalties'])}"
             self.warn_once("reward", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
+        stats, skipped, epochs_done = self.update(exp, beta, step, a.ppo_epochs if finite else 0)
+        skipped += 0 if finite else 1
+        t_train = time.perf_counter()
+
+        # 7. Adapt the KL coefficient once per batch, only after an update (a skipped one leaves the
+        #    policy, hence the KL it is steering, where it was); advance the learning-rate schedules.
+        mean_kl = kl.sum(1).mean().item()
+        if not skipped and math.isfinite(mean_kl):
+            self.kl_ctl.update(mean_kl, a.batch_size)
+        lr, critic_lr = self.actor_sched.get_last_lr()[0], self.critic_sched.get_last_lr()[0]
+        self.actor_sched.step()
+        self.critic_sched.step()
+        self.skipped_total += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+
+        metrics = step_metrics(exp, stats, fo.parts, eos_id=self.eos_id, beta=beta, adv_var=adv_var, lr=lr,
+                               critic_lr=critic_lr, epochs=epochs_done, skipped_total=self.skipped_total,
+                               times=(t_start, t_rollout, t_score, t_train))
+        samples = []
+        if step % cfg.run.sample_every == 0 or step == a.steps - 1:
+            kl_seq = kl.sum(1)
+            for p, t, s, k, n in zip(prompts, fo.texts, scores.tolist(), kl_seq.tolist(), roll.lengths.tolist()):
+                samples.append({"step": step, "prompt": p.raw, "response": t, "score": s, "kl": k, "length": n})
+        return metrics, samples
+
+    def update(self, exp: ro.Experience, beta: float, step: int, epochs: int
+               ) -> tuple[dict[str, list[float]], int, int]:
+        """PPO's update (step 6): ``epochs`` passes over the batch, a fresh shuffle each, in
+        minibatches of microbatches (gradient accumulation), with the clipped policy and value
+        losses, the KL-in-loss, entropy and PPO-ptx terms when asked, and one optimiser step per
+        minibatch. Returns the per-microbatch statistics, the skipped (non-finite) optimiser steps
+        and the epochs run (``--target-kl`` may stop early)."""
+        cfg, a = self.cfg, self.cfg.algo
         stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "clipfrac", "pg", "vf", "vf_clipfrac",
                                                          "ratio", "ptx")}
         skipped, epochs_done = 0, 0
         gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
-        for _epoch in range(a.ppo_epochs if finite else 0):
+        for _epoch in range(epochs):
             perm = torch.randperm(a.batch_size, generator=gen).to(self.device)
             epoch_kl = []
             for mb in perm.split(cfg.minibatch_size):
                 for micro in mb.split(cfg.microbatch_size):
-                    if fused and _epoch == 0:  # the rollout pass, with grad (rows in minibatch order)
-                        logp, ent, v = (x[micro] for x in fused_out)
+                    if exp.first_pass is not None:  # the rollout pass, with grad (rows in minibatch order)
+                        logp, ent, v = (x[micro] for x in exp.first_pass)
                     else:
-                        logp, ent, v = self.forward_train(roll.select(micro), a.entropy_coef > 0,
-                                                          None if trunk is None else trunk[micro],
-                                                          None if entering is None else entering[micro],
-                                                          want_entropy=a.entropy_coef > 0)
-                    m_ = mask[micro]
-                    pg_loss, pg = core.policy_loss(logp, old_logprobs[micro], advantages[micro], m_, a.clip_eps)
-                    vf_loss, vf = core.value_loss(v, old_values[micro], returns[micro], m_, a.vf_clip)
+                        logp, ent, v = self.forward_train(
+                            exp.roll.select(micro), a.entropy_coef > 0,
+                            None if exp.critic_input is None else exp.critic_input[micro],
+                            None if exp.policy_entering is None else exp.policy_entering[micro],
+                            want_entropy=a.entropy_coef > 0)
+                    m_ = exp.mask[micro]
+                    pg_loss, pg = core.policy_loss(logp, exp.old_logprobs[micro], exp.advantages[micro], m_,
+                                                   a.clip_eps)
+                    vf_loss, vf = core.value_loss(v, exp.values[micro], exp.returns[micro], m_, a.vf_clip)
                     loss = pg_loss
                     if cfg.kl.kl_in == "loss":  # always k3: the k1 gradient ignores the reference
-                        loss = loss + beta * core.kl_loss(logp, ref_logprobs[micro], m_)
+                        loss = loss + beta * core.kl_loss(logp, exp.ref_logprobs[micro], m_)
                     if a.entropy_coef:
                         loss = loss - a.entropy_coef * core.masked_mean(ent, m_)
                     if self.ptx_ids:
@@ -577,70 +471,12 @@ class PPOTrainer:
                     self.skip_cause = "non-finite loss or gradient"
                     self.warn_once("grad", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
             epochs_done += 1
-            fused_out = None  # the first epoch's graph is spent
+            exp.first_pass = None  # the first epoch's graph is spent
             # Early stop for the batch once the policy moved too far from the rollout policy.
             if a.target_kl is not None and sum(epoch_kl) / len(epoch_kl) > a.target_kl:
                 break
-        if not finite:
-            skipped += 1
-        del fused_out
-        t_train = time.perf_counter()
-
-        # 7. Adapt the KL coefficient once per batch, only after an update (a skipped one leaves the
-        #    policy, hence the KL it is steering, where it was); advance the learning-rate schedules.
-        mean_kl = kl.sum(1).mean().item()
-        if not skipped and math.isfinite(mean_kl):
-            self.kl_ctl.update(mean_kl, a.batch_size)
-        lr, critic_lr = self.actor_sched.get_last_lr()[0], self.critic_sched.get_last_lr()[0]
-        self.actor_sched.step()
-        self.critic_sched.step()
-        self.skipped_total += skipped
-        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
-
-        def avg(xs: list[float]) -> float:
-            return sum(xs) / len(xs) if xs else float("nan")
-
-        metrics = {
-            "objective/kl": mean_kl,
-            "objective/kl_coef": beta,
-            "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
-            "objective/scores": scores.mean().item(),
-            "objective/non_score_reward": non_score.sum(1).mean().item(),
-            "objective/rlhf_reward": (scores + non_score.sum(1)).mean().item(),
-            "policy/approxkl_avg": avg(stats["approxkl"]),
-            "policy/clipfrac_avg": avg(stats["clipfrac"]),
-            "policy/entropy_avg": core.masked_mean(entropy, mask).item(),
-            "loss/policy_avg": avg(stats["pg"]),
-            "loss/value_avg": avg(stats["vf"]),
-            "val/clipfrac_avg": avg(stats["vf_clipfrac"]),
-            "val/ratio": avg(stats["ratio"]),
-            "val/vf_explained_var": core.explained_variance(old_values, returns, mask),
-            "val/num_eos_tokens": int((roll.response == self.eos_id).sum()),
-            # |recomputed - sampled| log-prob per token: ~0 in fp32, bf16 rounding of two computation
-            # paths (KV-cache decoding vs one full pass) otherwise; large values mean the rollouts were
-            # not drawn from the distribution PPO optimises
-            "policy/sampler_logprob_gap": core.masked_mean((old_logprobs - roll.sample_logprobs).abs(), mask).item(),
-            "adv/var": adv_var,
-            "response/length_mean": roll.lengths.float().mean().item(),
-            "lr": lr,
-            "lr/critic": critic_lr,
-            "ppo/epochs": epochs_done,
-            "guard/skipped_updates": self.skipped_total,
-            "time/rollout_s": t_rollout - t_start,
-            "time/score_s": t_score - t_rollout,
-            "time/train_s": t_train - t_score,
-            "time/step_s": time.perf_counter() - t_start,
-        }
-        if stats["ptx"]:
-            metrics["loss/ptx_avg"] = avg(stats["ptx"])
-        for name, s in parts.items():
-            metrics[name] = s.float().mean().item()
-        samples = []
-        if step % cfg.run.sample_every == 0 or step == a.steps - 1:
-            kl_seq = kl.sum(1)
-            for p, t, s, k, n in zip(prompts, texts, scores.tolist(), kl_seq.tolist(), roll.lengths.tolist()):
-                samples.append({"step": step, "prompt": p.raw, "response": t, "score": s, "kl": k, "length": n})
-        return metrics, samples
+        exp.first_pass = None
+        return stats, skipped, epochs_done
 
     def warn_once(self, key: str, msg: str) -> None:
         if key not in self.warned:
@@ -670,11 +506,10 @@ class PPOTrainer:
                                    top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
                 if cfg.model.share_prefix:
                     roll.share_prefix()
-                ref, found = self.reference_pass(roll)
-                k = self.policy_start
-                logp = ro.logprobs(self.policy, roll, g.temperature, k, found.get(k) if k else None)
-                kl = (core.kl_penalty(logp, ref, cfg.kl.kl_estimator) * roll.response_mask).sum(1)
-                _, parts, texts = self.score(roll, prompts, scorer, found)
+                fo = self.frozen.run(roll, prompts, scorer, tap=False)
+                parts, texts = fo.parts, fo.texts
+                logp = ro.logprobs(self.policy, roll, g.temperature, self.policy_start, fo.policy_entering)
+                kl = (core.kl_penalty(logp, fo.ref_logprobs, cfg.kl.kl_estimator) * roll.response_mask).sum(1)
                 # the training score excludes the eval-only scorers' weights
                 total = sum((parts[f"reward/{f.name}"] * f.weight for f in scorer.functions[:n_train]),
                             torch.zeros(len(prompts)))
@@ -928,6 +763,56 @@ class PPOTrainer:
         mod = self.value_head if self.value_head is not None else self.critic
         named = [(n, p) for n, p in mod.named_parameters() if p.requires_grad]
         return named + ([("value_bias", self.value_bias)] if self.value_bias is not None else [])
+
+
+def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[str, torch.Tensor], *, eos_id: int,
+                 beta: float, adv_var: float, lr: float, critic_lr: float, epochs: int, skipped_total: int,
+                 times: tuple[float, float, float, float]) -> dict[str, Any]:
+    """One PPO iteration's metrics row (names as TRL's PPOTrainer logs them, see docs/details.md);
+    ``stats``: the update's per-microbatch values; ``times``: when the step, and its score and
+    train phases, began and when the update ended."""
+    roll, mask = exp.roll, exp.mask
+
+    def avg(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    t_start, t_rollout, t_score, t_train = times
+    metrics = {
+        "objective/kl": exp.kl.sum(1).mean().item(),
+        "objective/kl_coef": beta,
+        "objective/entropy": (-exp.old_logprobs * mask).sum(1).mean().item(),
+        "objective/scores": exp.scores.mean().item(),
+        "objective/non_score_reward": exp.non_score.sum(1).mean().item(),
+        "objective/rlhf_reward": (exp.scores + exp.non_score.sum(1)).mean().item(),
+        "policy/approxkl_avg": avg(stats["approxkl"]),
+        "policy/clipfrac_avg": avg(stats["clipfrac"]),
+        "policy/entropy_avg": core.masked_mean(exp.entropy, mask).item(),
+        "loss/policy_avg": avg(stats["pg"]),
+        "loss/value_avg": avg(stats["vf"]),
+        "val/clipfrac_avg": avg(stats["vf_clipfrac"]),
+        "val/ratio": avg(stats["ratio"]),
+        "val/vf_explained_var": core.explained_variance(exp.values, exp.returns, mask),
+        "val/num_eos_tokens": int((roll.response == eos_id).sum()),
+        # |recomputed - sampled| log-prob per token: ~0 in fp32, bf16 rounding of two computation
+        # paths (KV-cache decoding vs one full pass) otherwise; large values mean the rollouts were
+        # not drawn from the distribution PPO optimises
+        "policy/sampler_logprob_gap": core.masked_mean((exp.old_logprobs - roll.sample_logprobs).abs(), mask).item(),
+        "adv/var": adv_var,
+        "response/length_mean": roll.lengths.float().mean().item(),
+        "lr": lr,
+        "lr/critic": critic_lr,
+        "ppo/epochs": epochs,
+        "guard/skipped_updates": skipped_total,
+        "time/rollout_s": t_rollout - t_start,
+        "time/score_s": t_score - t_rollout,
+        "time/train_s": t_train - t_score,
+        "time/step_s": time.perf_counter() - t_start,
+    }
+    if stats["ptx"]:
+        metrics["loss/ptx_avg"] = avg(stats["ptx"])
+    for name, s in parts.items():
+        metrics[name] = s.float().mean().item()
+    return metrics
 
 
 def _ensemble_key(rewarder: Any) -> str:

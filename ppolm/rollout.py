@@ -64,6 +64,45 @@ class Rollout:
         return self
 
 
+@dataclass
+class Experience:
+    """One batch of PPO experience: a rollout and everything computed on it before the update
+    (B rows, R response columns; P + R columns in all). Built by :meth:`ppolm.ppo.PPOTrainer.step`
+    (steps 1-5) and read by its update (step 6)."""
+
+    roll: Rollout
+    """The sampled batch."""
+    mask: torch.Tensor
+    """(B, R) float: 1 on real response tokens (the EOS included), 0 on padding."""
+    ref_logprobs: torch.Tensor
+    """(B, R) the frozen reference's log-probs of the sampled tokens."""
+    old_logprobs: torch.Tensor
+    """(B, R) the rollout policy's log-probs (PPO's importance-ratio denominator)."""
+    entropy: torch.Tensor | None
+    """(B, R) the rollout policy's entropy per token (for the metric), or None."""
+    values: torch.Tensor
+    """(B, R) the critic's values before each response token, 0 on padding."""
+    scores: torch.Tensor
+    """(B,) the reward: the sources' total with the missing-EOS and length penalties."""
+    kl: torch.Tensor
+    """(B, R) per-token KL estimate to the reference, 0 on padding."""
+    non_score: torch.Tensor
+    """(B, R) the KL part of the reward (-beta * kl), whether it enters the reward or the loss."""
+    rewards: torch.Tensor
+    """(B, R) per-token rewards: -beta * kl, plus the score on each response's last real token."""
+    advantages: torch.Tensor
+    """(B, R) GAE advantages (whitened over the batch when asked)."""
+    returns: torch.Tensor
+    """(B, R) value targets: the unwhitened advantages plus the values."""
+    critic_input: torch.Tensor | None = None
+    """(B, P + R, d) the frozen trunk's hidden state that feeds a top-layers critic, or None."""
+    policy_entering: torch.Tensor | None = None
+    """(B, P + R, d) the state entering a LoRA policy's first adapted layer, or None."""
+    first_pass: tuple[torch.Tensor, ...] | None = None
+    """(log-probs, entropy, values) of the rollout pass still holding its graph (one minibatch per
+    epoch: the first epoch reuses it), or None. The update drops it after the first epoch."""
+
+
 def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists -> (ids, mask), each (B, max_len)."""
     width = max(len(s) for s in seqs)
