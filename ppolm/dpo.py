@@ -206,7 +206,7 @@ def train_dpo(cfg: DPOConfig) -> list[dict[str, Any]]:
 
 def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
     from ppolm import checkpoint, models
-    from ppolm.ppo import resolve_device, resolve_precision, seed_everything
+    from ppolm.runtime import resolve_device, resolve_precision, seed_everything
 
     cfg.validate()
     out = Path(cfg.output_dir)

@@ -9,27 +9,30 @@ written as the numbered steps of the seed's pseudo-code; the maths is in :mod:`p
 
 from __future__ import annotations
 
-import contextlib
+import json
 import math
-import os
-import random
-import shutil
-import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ppolm import checkpoint, config, core, precision
+from ppolm import checkpoint, config, core, runtime
 from ppolm import rollout as ro
+from ppolm.data import PromptOrder  # noqa: F401  (public here too)
 from ppolm.errors import PPOLMError
 from ppolm.ppo_config import PPOConfig
-from ppolm.precision import resolve_device, resolve_precision  # noqa: F401  (public here too)
+from ppolm.runtime import (  # noqa: F401  (public here too)
+    refuse_data_parallel,
+    resolve_device,
+    resolve_precision,
+    rng_devices,
+    seed_everything,
+    seeded_rng,
+)
 
 OUTPUTS = ("policy", "policy_adapter", "critic", "checkpoints", "tensorboard", "metrics.jsonl", "samples.jsonl",
            "eval.jsonl", "eval_samples.jsonl", "best", "best.json", "config.yaml", "report.html", "plots")
@@ -47,132 +50,6 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     return PPOTrainer(cfg).train()
 
 
-def refuse_data_parallel() -> None:
-    """Refuse to run as one of several processes (``torchrun --nproc-per-node N`` sets WORLD_SIZE):
-    nothing is synchronised across processes yet, so N of them would train N independent models
-    and race on one --output-dir."""
-    n = os.environ.get("WORLD_SIZE", "1").strip() or "1"
-    if n != "1":
-        raise PPOLMError(f"data-parallel training is not supported yet: run one process (WORLD_SIZE={n} was set "
-                         "by torchrun or the environment)")
-
-
-def rng_devices(device: torch.device) -> list[int]:
-    """The CUDA devices whose generators a computation on ``device`` draws from: that device's
-    index (the current device when the index is unset), or none on a CPU."""
-    if device.type != "cuda":
-        return []
-    return [device.index if device.index is not None else torch.cuda.current_device()]
-
-
-@contextlib.contextmanager
-def seeded_rng(seed: int, device: torch.device) -> Iterator[None]:
-    """Run a block with its own seed on the CPU generator and, on CUDA, ``device``'s generator, and
-    restore both afterwards. (``torch.manual_seed`` would reseed every CUDA device, including ones
-    ``torch.random.fork_rng(devices=...)`` did not save, so it is not used here.)"""
-    devices = rng_devices(device)
-    with torch.random.fork_rng(devices=devices):
-        torch.default_generator.manual_seed(seed)
-        for d in devices:
-            with torch.cuda.device(d):
-                torch.cuda.manual_seed(seed)
-        yield
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def prepare_output_dir(out: Path, cfg: PPOConfig, commit: bool = False) -> None:
-    """Refuse to mix runs: an existing non-empty dir needs --resume (same config) or --overwrite.
-
-    Without ``commit`` this only checks (nothing on disk changes, so a bad input found later leaves
-    the directory as it was); ``commit=True``, called once the first step has succeeded, removes
-    the previous run's outputs (--overwrite) and creates the directory.
-    """
-    if out.exists() and not out.is_dir():
-        raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
-    if commit:
-        if cfg.run.overwrite and out.is_dir():
-            for name in OUTPUTS:
-                p = out / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
-        return
-    if out.is_dir() and any(out.iterdir()):
-        saved = out / "config.yaml"
-        if cfg.run.overwrite:
-            pass  # replaced at commit, after the first step succeeded
-        elif cfg.run.resume:
-            if not saved.exists():
-                raise PPOLMError(f"--output-dir {out} does not hold a ppolm run (no config.yaml); "
-                                 "choose another directory")
-            before = config.load_yaml(saved)
-            diff = config_difference(before, config.to_dict(cfg))
-            if diff:
-                raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); "
-                                 "resume with the same options, or use --overwrite or a new --output-dir")
-            old_steps = (before.get("algo") or {}).get("steps") if isinstance(before, dict) else None
-            if cfg.algo.lr_schedule == "linear" and old_steps is not None and old_steps != cfg.algo.steps:
-                # the schedule's lambda decays over --steps: another total rescales every step's rate
-                raise PPOLMError(f"--steps changed from {old_steps} to {cfg.algo.steps} but the linear learning-rate "
-                                 f"schedule decays over --steps; resume with --steps {old_steps} (a run with "
-                                 "--lr-schedule constant can be extended)")
-        else:
-            raise PPOLMError(f"--output-dir {out} already holds files; pass --resume to continue that run, "
-                             "--overwrite to replace it, or choose a new directory")
-    checkpoint.check_creatable(out)
-
-
-RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "save_every", "keep_last", "sample_every",
-               "max_skipped_updates"}
-
-
-def config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    """First differing option between two config dicts, ignoring run-control options."""
-    for sec, vals in now.items():
-        if not isinstance(vals, dict):
-            continue
-        for k, v in vals.items():
-            if k in RUN_CONTROL:
-                continue
-            section = saved.get(sec, {}) if isinstance(saved, dict) else {}
-            old = section.get(k, v) if isinstance(section, dict) else None
-            if old != v:
-                return f"{k}: {old!r} then, {v!r} now"
-    return ""
-
-
-class PromptOrder:
-    """Which prompt each rollout row gets. Row i of the run (step s holds rows s*B .. s*B + B - 1)
-    takes position i mod n of pass i // n's permutation, drawn from ``seed`` and the pass number
-    alone: the prompts of a step depend only on the seed and the step, so a resumed run picks the
-    same ones. Each pass's permutation is drawn once and kept until the next pass begins: O(B) per
-    step, amortised, instead of an O(n) permutation per row."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed = n, seed
-        self.epoch, self.perm = -1, []  # the cached pass and its permutation
-
-    def permutation(self, epoch: int) -> list[int]:
-        if epoch != self.epoch:
-            g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-            self.perm, self.epoch = torch.randperm(self.n, generator=g).tolist(), epoch
-        return self.perm
-
-    def indices(self, step: int, batch_size: int) -> list[int]:
-        """The prompt indices of ``step``'s batch."""
-        first = step * batch_size
-        return [self.permutation(i // self.n)[i % self.n] for i in range(first, first + batch_size)]
-
-
 class PPOTrainer:
     def __init__(self, cfg: PPOConfig):
         from ppolm import models, ppo_models
@@ -184,11 +61,11 @@ class PPOTrainer:
         self.cfg = cfg
         m = cfg.model
         self.out = Path(cfg.run.output_dir)
-        prepare_output_dir(self.out, cfg)
+        runtime.prepare_ppo_output_dir(self.out, cfg, OUTPUTS)
         self.device = resolve_device(m.device)
         # bf16: every model computes in bf16, trained weights keep fp32 masters (ppolm/precision.py)
         self.precision = resolve_precision(m.precision, self.device)
-        self.dtype = precision.dtype_of(self.precision)
+        self.dtype = runtime.dtype_of(self.precision)
         seed_everything(cfg.run.seed)
 
         # The reward comes first: a wrong spec should fail before minutes of model loading.
@@ -254,8 +131,8 @@ class PPOTrainer:
         """Separate AdamW optimisers and learning rates for actor and critic (Adam eps 1e-5, detail
         16); with bf16 models they step fp32 master copies (ppolm/precision.py)."""
         a = self.cfg.algo
-        self.actor = precision.MasterWeights(p for p in self.policy.parameters() if p.requires_grad)
-        self.critic_weights = precision.MasterWeights(p for _, p in self.critic_named_parameters())
+        self.actor = runtime.MasterWeights(p for p in self.policy.parameters() if p.requires_grad)
+        self.critic_weights = runtime.MasterWeights(p for _, p in self.critic_named_parameters())
         self.actor_params, self.critic_params = self.actor.params, self.critic_weights.params
         # fused AdamW: one kernel over all parameters, ~4x faster than the per-tensor loop on a CPU
         adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay, fused=self.device.type in ("cpu", "cuda"))
@@ -348,7 +225,7 @@ class PPOTrainer:
             roll.share_prefix()  # the prompts' common beginning runs once per pass (ppolm/prefix.py)
         self.policy.train()
         mask = roll.response_mask.float()  # (B, R)
-        _trim()
+        runtime.malloc_trim()
         t_rollout = time.perf_counter()
 
         # 2. Score and reference: the frozen models' pass (reference log-probs, reward models and
@@ -361,7 +238,7 @@ class PPOTrainer:
         #    epoch's forward pass *is* the rollout pass (ratio 1 exactly), so it runs once, with
         #    grad, and the update reuses it: no repeated forward pass.
         fused = a.minibatches == 1 and a.grad_accum == 1
-        _trim()
+        runtime.malloc_trim()
         with torch.set_grad_enabled(fused):
             first_pass = self.forward_train(roll, a.entropy_coef > 0, fo.critic_input, fo.policy_entering)
         old_logprobs, entropy, old_values = (x.detach() for x in first_pass)  # (B, R) each
@@ -484,66 +361,15 @@ class PPOTrainer:
             print(f"warning: {msg}", file=sys.stderr)
 
     # ----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self, updates: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Score the held-out prompts with every training source, the eval-only scorers and the KL
-        to the reference. Sampling uses its own seed (:func:`seeded_rng`) so the training RNG stream,
-        and hence resume, is unaffected. eval/score is objective/scores' definition (the training
-        sources' weighted sum, with the missing-EOS and length penalties); eval/<source> is each raw."""
-        from ppolm.rewards import Rewarder
+        """Held-out evaluation after ``updates`` steps: (metrics, sample rows); see
+        :func:`ppolm.evaluate.during_ppo`."""
+        from ppolm.evaluate import during_ppo
 
-        g, cfg = self.cfg.generation, self.cfg
-        scorer = Rewarder(self.rewarder.models, self.rewarder.functions + self.eval_functions,
-                          model_weight=self.rewarder.model_weight, ensemble_rule=self.rewarder.ensemble_rule)
-        n_train = len(self.rewarder.functions)
-        totals, all_parts, kls, lengths, rows = [], {}, [], [], []
-        self.policy.eval()
-        with seeded_rng(cfg.run.seed + 1_000_003, self.device):
-            for i in range(0, len(self.eval_prompts), cfg.run.eval_batch_size):
-                prompts = self.eval_prompts[i:i + cfg.run.eval_batch_size]
-                roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
-                                   max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
-                                   top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
-                if cfg.model.share_prefix:
-                    roll.share_prefix()
-                fo = self.frozen.run(roll, prompts, scorer, tap=False)
-                parts, texts = fo.parts, fo.texts
-                logp = ro.logprobs(self.policy, roll, g.temperature, self.policy_start, fo.policy_entering)
-                kl = (core.kl_penalty(logp, fo.ref_logprobs, cfg.kl.kl_estimator) * roll.response_mask).sum(1)
-                # the training score excludes the eval-only scorers' weights
-                total = sum((parts[f"reward/{f.name}"] * f.weight for f in scorer.functions[:n_train]),
-                            torch.zeros(len(prompts)))
-                if self.rewarder.models:
-                    total = total + self.rewarder.model_weight * parts[_ensemble_key(self.rewarder)]
-                total = self.penalise(total, roll).cpu()  # as objective/scores; eval/<source> stay raw
-                totals.append(total)
-                for k, v in parts.items():
-                    all_parts.setdefault(k, []).append(v)
-                kls.append(kl.float().cpu())
-                lengths.append(roll.lengths.float().cpu())
-                for j, (p, t) in enumerate(zip(prompts, texts)):
-                    rows.append({"step": updates, "prompt": p.raw, "response": t,
-                                 "scores": {k.removeprefix("reward/"): float(v[j]) for k, v in parts.items()},
-                                 "score": float(total[j]), "kl": float(kl[j])})
-        self.policy.train()
-
-        def mean_se(xs: list[torch.Tensor]) -> tuple[float, float]:
-            x = torch.cat(xs).float()
-            return x.mean().item(), (x.std().item() / math.sqrt(len(x)) if len(x) > 1 else 0.0)
-
-        metrics: dict[str, Any] = {"updates": updates}
-        metrics["eval/score"], metrics["eval/score_se"] = mean_se(totals)
-        for k, v in all_parts.items():
-            name = "eval/" + k.removeprefix("reward/")
-            metrics[name], metrics[name + "_se"] = mean_se(v)
-        metrics["eval/kl"], metrics["eval/kl_se"] = mean_se(kls)
-        metrics["eval/length_mean"] = torch.cat(lengths).mean().item()
-        return metrics, rows
+        return during_ppo(self, updates)
 
     def maybe_keep_best(self, updates: int, metrics: dict[str, Any]) -> None:
         """Save the policy to best/ when the chosen eval metric improves (e.g. a gold judge)."""
-        import json
-
         from ppolm.models import save_pretrained
 
         name = self.cfg.run.best_metric
@@ -638,11 +464,24 @@ class PPOTrainer:
                 save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
                           str(tmp / "value_head.safetensors"))
             if self.value_bias is not None:  # value = head output + bias (the RM's normalisation, trained on)
-                import json
-
                 (tmp / "ppolm_value.json").write_text(json.dumps({"bias": float(self.value_bias.detach())}, indent=2))
 
     # ----------------------------------------------------------------------------------------
+    def resume(self) -> None:
+        """Continue from the newest valid checkpoint in --output-dir (``--resume``), if there is one."""
+        found = checkpoint.load_latest(self.out / "checkpoints")
+        if not found:
+            print(f"no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
+            return
+        path, tensors, meta = found
+        try:
+            self.load_state(tensors, meta)
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            raise PPOLMError(f"checkpoint {path} does not match this model or version "
+                             f"({type(e).__name__}: {str(e)[:120]}); resume with the same --model, "
+                             "or start again with --overwrite") from None
+        print(f"resuming from {path} (step {self.start_step})", file=sys.stderr)
+
     def train(self) -> PPOResult:
         from ppolm import tracking
 
@@ -650,95 +489,54 @@ class PPOTrainer:
         # a skipped (non-finite) update still advances the schedules, on purpose: resume-exact
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if cfg.run.resume:
-            found = checkpoint.load_latest(self.out / "checkpoints")
-            if found:
-                path, tensors, meta = found
-                try:
-                    self.load_state(tensors, meta)
-                except (KeyError, RuntimeError, ValueError, TypeError) as e:
-                    raise PPOLMError(f"checkpoint {path} does not match this model or version "
-                                     f"({type(e).__name__}: {str(e)[:120]}); resume with the same --model, "
-                                     "or start again with --overwrite") from None
-                print(f"resuming from {path} (step {self.start_step})", file=sys.stderr)
-            else:
-                print(f"no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
+            self.resume()
         evaluating = self.eval_prompts is not None
-        stop = {"requested": False}
+        with runtime.stop_on_signal() as stop:
+            try:
+                # The first eval and step run before anything is written: a reward function that raises
+                # or returns garbage fails with the output directory exactly as it was.
+                t_begin = time.perf_counter()
+                print(f"{'evaluating, then ' if evaluating and self.start_step == 0 else ''}running step "
+                      f"{self.start_step + 1}/{cfg.algo.steps} (the progress bar starts after it)", file=sys.stderr)
+                first_eval = self.evaluate(0) if evaluating and self.start_step == 0 else None
+                first = self.step(self.start_step) if self.start_step < cfg.algo.steps else None
+                runtime.prepare_ppo_output_dir(self.out, cfg, OUTPUTS, commit=True)
+                config.save_yaml(cfg, self.out / "config.yaml")
+                for f in ("metrics.jsonl", "samples.jsonl"):
+                    tracking.truncate_rows(self.out / f, self.start_step)
+                for f in ("eval.jsonl", "eval_samples.jsonl"):  # keyed by updates done: the start's eval is kept
+                    tracking.truncate_rows(self.out / f, self.start_step + 1)
+            except OSError as e:
+                raise checkpoint.disk_error(e, self.out) from None
+            if cfg.run.best_metric and (self.out / "best.json").exists():
+                self.best_value = json.loads((self.out / "best.json").read_text())["value"]
 
-        def on_signal(signum: int, frame: Any) -> None:
-            if stop["requested"]:
-                raise KeyboardInterrupt
-            stop["requested"] = True
-            print("\nstopping after this step to save a checkpoint (Ctrl-C again to abort without saving)",
-                  file=sys.stderr)
-
-        old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
-            if _main_thread() else {}
-        try:
-            # The first eval and step run before anything is written: a reward function that raises
-            # or returns garbage fails with the output directory exactly as it was.
-            t_begin = time.perf_counter()
-            print(f"{'evaluating, then ' if evaluating and self.start_step == 0 else ''}running step "
-                  f"{self.start_step + 1}/{cfg.algo.steps} (the progress bar starts after it)", file=sys.stderr)
-            first_eval = self.evaluate(0) if evaluating and self.start_step == 0 else None
-            first = self.step(self.start_step) if self.start_step < cfg.algo.steps else None
-            prepare_output_dir(self.out, cfg, commit=True)
-            config.save_yaml(cfg, self.out / "config.yaml")
-            for f in ("metrics.jsonl", "samples.jsonl"):
-                tracking.truncate_rows(self.out / f, self.start_step)
-            for f in ("eval.jsonl", "eval_samples.jsonl"):  # keyed by updates done: the start's eval is kept
-                tracking.truncate_rows(self.out / f, self.start_step + 1)
-        except OSError as e:
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            raise checkpoint.disk_error(e, self.out) from None
-        except BaseException:
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            raise
-        if cfg.run.best_metric and (self.out / "best.json").exists():
-            import json
-
-            self.best_value = json.loads((self.out / "best.json").read_text())["value"]
-
-        tracker = None
-        step = self.start_step
-        try:
-            tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet, t0=t_begin)
-            if first_eval is not None:
-                tracker.log_eval(0, *first_eval)
-                self.maybe_keep_best(0, first_eval[0])
-            for step in range(self.start_step, cfg.algo.steps):
-                metrics, samples = first if step == self.start_step else self.step(step)
-                first = None
-                tracker.log(step, metrics)
-                if samples:
-                    tracker.samples(samples)
-                last = step + 1 == cfg.algo.steps
-                # a run that ends having skipped every update trained nothing: the same error, sooner
-                if self.consecutive_skips >= cfg.run.max_skipped_updates or (last and self.consecutive_skips > step):
-                    cause = getattr(self, "skip_cause", "non-finite values")
-                    raise PPOLMError(f"{self.consecutive_skips} consecutive updates skipped (last at step {step}: "
-                                     f"{cause}); fix the reward or lower --actor-lr, then continue from the last "
-                                     "checkpoint with --resume")
-                bad = checkpoint.first_non_finite(self.trained_parameters())
-                if bad:
-                    raise PPOLMError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "
-                                     "Lower --actor-lr/--critic-lr and continue from the last checkpoint with "
-                                     "--resume")
-                if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
-                    self.run_eval(step + 1, tracker)
-                if (step + 1) % cfg.run.save_every == 0 or last or stop["requested"]:
-                    self.save_checkpoint(step + 1)
-                if stop["requested"] and not last:
-                    break
-        except OSError as e:
-            raise checkpoint.disk_error(e, self.out) from None
-        finally:
-            if tracker is not None:
-                tracker.close()
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
+            tracker = None
+            step = self.start_step
+            try:
+                tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet, t0=t_begin)
+                if first_eval is not None:
+                    tracker.log_eval(0, *first_eval)
+                    self.maybe_keep_best(0, first_eval[0])
+                for step in range(self.start_step, cfg.algo.steps):
+                    metrics, samples = first if step == self.start_step else self.step(step)
+                    first = None
+                    tracker.log(step, metrics)
+                    if samples:
+                        tracker.samples(samples)
+                    last = step + 1 == cfg.algo.steps
+                    self.check_health(step, last)
+                    if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
+                        self.run_eval(step + 1, tracker)
+                    if (step + 1) % cfg.run.save_every == 0 or last or stop["requested"]:
+                        self.save_checkpoint(step + 1)
+                    if stop["requested"] and not last:
+                        break
+            except OSError as e:
+                raise checkpoint.disk_error(e, self.out) from None
+            finally:
+                if tracker is not None:
+                    tracker.close()
         interrupted = stop["requested"] and step + 1 < cfg.algo.steps
         if interrupted:
             print(f"interrupted after step {step + 1}; checkpoint saved. Continue with the same command "
@@ -749,6 +547,19 @@ class PPOTrainer:
             except OSError as e:
                 raise checkpoint.disk_error(e, self.out, "the final policy/critic") from None
         return PPOResult(self.out, tracking.read_jsonl(self.out / "metrics.jsonl"), interrupted)
+
+    def check_health(self, step: int, last: bool) -> None:
+        """Stop a run that keeps skipping updates, or whose weights went non-finite, before it saves."""
+        n = self.consecutive_skips
+        # a run that ends having skipped every update trained nothing: the same error, sooner
+        if n >= self.cfg.run.max_skipped_updates or (last and n > step):
+            cause = getattr(self, "skip_cause", "non-finite values")
+            raise PPOLMError(f"{n} consecutive updates skipped (last at step {step}: {cause}); fix the reward or "
+                             "lower --actor-lr, then continue from the last checkpoint with --resume")
+        bad = checkpoint.first_non_finite(self.trained_parameters())
+        if bad:
+            raise PPOLMError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "
+                             "Lower --actor-lr/--critic-lr and continue from the last checkpoint with --resume")
 
     def trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of everything trained: the policy and the critic or value head; with bf16
@@ -815,37 +626,6 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
     return metrics
 
 
-def _ensemble_key(rewarder: Any) -> str:
-    """The parts key holding the (ensembled) reward-model score."""
-    if len(rewarder.models) == 1:
-        return f"reward/{rewarder.models[0].name}"
-    return f"reward/ensemble_{rewarder.ensemble_rule}"
-
-
-def _trim() -> None:
-    """Hand memory freed by the last stage (KV cache, frozen models' activations) back to the OS
-    before the training pass, so the peak is not the sum of both (glibc only; ~80 MB on the peer work)."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim  # noqa: B018  (raises AttributeError off glibc)
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC: Any = None
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")

@@ -336,7 +336,7 @@ def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
 
 def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     from ppolm import checkpoint, models
-    from ppolm.ppo import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
+    from ppolm.runtime import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
 
     refuse_data_parallel()
     cfg.validate()
@@ -533,8 +533,8 @@ def normalize_reward_model(rm_dir: str | Path, policy: str, prompts: str | list[
                            batch_size: int = 8) -> tuple[float, float]:
     """Fit score = gain * raw + bias to mean 0, std 1 over :func:`reference_scores` of ``policy``;
     write them to ``rm_dir/ppolm_reward.json`` (read by every later scorer) and return (gain, bias)."""
-    from ppolm.ppo import resolve_device, resolve_precision
     from ppolm.rewards import RewardModel, write_norm
+    from ppolm.runtime import resolve_device, resolve_precision
 
     dev = resolve_device(device)
     precision = resolve_precision(precision, dev)

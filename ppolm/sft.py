@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ppolm import checkpoint
 from ppolm.errors import FLOAT32_MAX, PPOLMError
+from ppolm.runtime import RUN_CONTROL, config_difference, prepare_output_dir, write_config  # noqa: F401  (shared)
 
 
 @dataclass
@@ -127,76 +128,6 @@ def check_common(cfg: Any) -> None:
 
 
 # ------------------------------------------------------------------------- shared training helpers
-
-RUN_CONTROL = {"resume", "overwrite", "quiet", "epochs", "save_every", "keep_last", "max_skipped_updates"}
-"""Options a resumed run may change; every other option must match the run it continues."""
-
-
-def prepare_output_dir(out: Path, cfg: Any, config_name: str, commit: bool = False) -> None:
-    """Refuse to mix runs: a non-empty --output-dir needs --resume (same options) or --overwrite.
-
-    Without ``commit`` this only checks: nothing on disk changes, so a bad input found later leaves
-    the directory exactly as it was. ``commit=True``, called once the data and the model have
-    loaded, empties the directory (--overwrite) and creates it.
-    """
-    from ppolm import config
-
-    if out.exists() and not out.is_dir():
-        raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
-    if commit:
-        if cfg.overwrite and out.is_dir():
-            for p in out.iterdir():
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
-        return
-    if out.is_dir() and any(out.iterdir()):
-        if cfg.overwrite:
-            if (out / ".git").exists() or out.resolve() == Path.cwd().resolve() or out.resolve() == Path.home():
-                raise PPOLMError(f"refusing to empty {out} (a repository, the working or home directory); "
-                                 "choose a dedicated --output-dir")
-        elif cfg.resume:
-            saved = out / config_name
-            if not saved.exists():
-                raise PPOLMError(f"--output-dir {out} does not hold a run of this command (no {config_name}); "
-                                 "choose another directory")
-            before = config.load_yaml(saved)
-            diff = config_difference(before, config.to_dict(cfg))
-            if diff:
-                raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); resume with "
-                                 "the same options, or use --overwrite or a new --output-dir")
-            old_epochs = before.get("epochs")
-            if cfg.lr_schedule == "linear" and old_epochs is not None and old_epochs != cfg.epochs:
-                # the schedule decays over all epochs' steps: another total rescales every step's rate
-                raise PPOLMError(f"--epochs changed from {old_epochs} to {cfg.epochs} but the linear learning-rate "
-                                 f"schedule decays over --epochs; resume with --epochs {old_epochs} (a run with "
-                                 "--lr-schedule constant can be extended)")
-        else:
-            raise PPOLMError(f"--output-dir {out} already holds files; pass --overwrite to replace them, --resume "
-                             "to continue that run, or choose a new directory")
-    checkpoint.check_creatable(out)
-
-
-def config_difference(saved: Any, now: dict[str, Any]) -> str:
-    """The first option (not a run-control one) whose saved value differs from ``now``; "" if none."""
-    if not isinstance(saved, dict):
-        return f"the saved config is a {type(saved).__name__}, not a mapping"
-    for k, v in now.items():
-        if k not in RUN_CONTROL and saved.get(k, v) != v:
-            return f"{k}: {saved.get(k)!r} then, {v!r} now"
-    return ""
-
-
-def write_config(cfg: Any, path: Path) -> None:
-    """config.save_yaml, atomically (a kill mid-write never leaves a half file for --resume to read)."""
-    from ppolm import config
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    config.save_yaml(cfg, tmp)
-    os.replace(tmp, path)
-
 
 def split_rows(rows: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
     """Seeded held-out split: (train, eval). At least one row each when there are two or more."""
@@ -585,7 +516,7 @@ def train_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
 
 def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
     from ppolm import models
-    from ppolm.ppo import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
+    from ppolm.runtime import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
 
     refuse_data_parallel()
     cfg.validate()
