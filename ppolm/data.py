@@ -129,10 +129,6 @@ class Prompt:
     extra: dict[str, Any]
     """Every other column of the row (e.g. a reference 'answer'), passed to reward functions."""
 
-    @property
-    def is_chat(self) -> bool:
-        return isinstance(self.raw, list)
-
 
 def encode_prompt(raw: str | list[dict[str, str]], tokenizer: Any, chat_template: bool) -> list[int]:
     if isinstance(raw, list) or chat_template:
