@@ -1,30 +1,31 @@
 """The PPO trainer of InstructGPT: rollout -> score -> KL vs reference -> GAE -> clipped updates.
 
-The four models are four named attributes of :class:`PPOTrainer`: ``policy`` (trained),
-``reference`` (frozen copy; with LoRA, ``None``: the policy with its adapter disabled),
-``rewarder`` (frozen reward models and/or reward functions) and ``critic`` (a separate value
-model, or ``value_head`` on the policy's trunk). :meth:`PPOTrainer.step` is one PPO iteration
-written as the numbered steps of the seed's pseudo-code; the maths is in :mod:`ppolm.core`.
-"""
+The four models are four named attributes of :class:`PPOTrainer`, built in ppolm/ppo_models.py:
+``policy`` (trained), ``reference`` (frozen copy; with LoRA, ``None``: the policy with its adapter
+disabled), ``rewarder`` (frozen reward models and/or reward functions) and ``critic`` (a separate
+value model, or ``value_head`` on the policy's trunk). :meth:`PPOTrainer.step` is one PPO
+iteration written as the numbered steps of the seed's pseudo-code: it fills an
+:class:`ppolm.rollout.Experience` (the frozen models' part comes from ppolm/frozen.py) and
+:meth:`PPOTrainer.update` runs the PPO epochs on it; the maths is in :mod:`ppolm.core`, the
+metrics row in ppolm/ppo_metrics.py, and the run around the steps (resume, checkpoints,
+evaluation, outputs) in ppolm/ppo_run.py."""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ppolm import checkpoint, config, core, runtime
+from ppolm import core, ppo_metrics, ppo_run, runtime
 from ppolm import rollout as ro
 from ppolm.data import PromptOrder  # noqa: F401  (public here too)
-from ppolm.errors import PPOLMError
 from ppolm.ppo_config import PPOConfig
+from ppolm.ppo_run import OUTPUTS, PPOResult  # noqa: F401  (public here too)
 from ppolm.runtime import (  # noqa: F401  (public here too)
     refuse_data_parallel,
     resolve_device,
@@ -33,16 +34,6 @@ from ppolm.runtime import (  # noqa: F401  (public here too)
     seed_everything,
     seeded_rng,
 )
-
-OUTPUTS = ("policy", "policy_adapter", "critic", "checkpoints", "tensorboard", "metrics.jsonl", "samples.jsonl",
-           "eval.jsonl", "eval_samples.jsonl", "best", "best.json", "config.yaml", "report.html", "plots")
-
-
-@dataclass
-class PPOResult:
-    output_dir: Path
-    metrics: list[dict[str, Any]]
-    interrupted: bool = False
 
 
 def train_ppo(cfg: PPOConfig) -> PPOResult:
@@ -63,7 +54,7 @@ class PPOTrainer:
         self.out = Path(cfg.run.output_dir)
         runtime.prepare_ppo_output_dir(self.out, cfg, OUTPUTS)
         self.device = resolve_device(m.device)
-        # bf16: every model computes in bf16, trained weights keep fp32 masters (ppolm/precision.py)
+        # bf16: every model computes in bf16, trained weights keep fp32 masters (ppolm/runtime.py)
         self.precision = resolve_precision(m.precision, self.device)
         self.dtype = runtime.dtype_of(self.precision)
         seed_everything(cfg.run.seed)
@@ -129,7 +120,7 @@ class PPOTrainer:
 
     def build_optimisers(self) -> None:
         """Separate AdamW optimisers and learning rates for actor and critic (Adam eps 1e-5, detail
-        16); with bf16 models they step fp32 master copies (ppolm/precision.py)."""
+        16); with bf16 models they step fp32 master copies (ppolm/runtime.py)."""
         a = self.cfg.algo
         self.actor = runtime.MasterWeights(p for p in self.policy.parameters() if p.requires_grad)
         self.critic_weights = runtime.MasterWeights(p for _, p in self.critic_named_parameters())
@@ -286,7 +277,7 @@ class PPOTrainer:
         self.skipped_total += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
 
-        metrics = step_metrics(exp, stats, fo.parts, eos_id=self.eos_id, beta=beta, adv_var=adv_var, lr=lr,
+        metrics = ppo_metrics.step_metrics(exp, stats, fo.parts, eos_id=self.eos_id, beta=beta, adv_var=adv_var, lr=lr,
                                critic_lr=critic_lr, epochs=epochs_done, skipped_total=self.skipped_total,
                                times=(t_start, t_rollout, t_score, t_train))
         samples = []
@@ -355,6 +346,10 @@ class PPOTrainer:
         exp.first_pass = None
         return stats, skipped, epochs_done
 
+    def train(self) -> PPOResult:
+        """The whole run (ppolm/ppo_run.py): resume, steps, evaluation, checkpoints, final outputs."""
+        return ppo_run.run(self)
+
     def warn_once(self, key: str, msg: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
@@ -367,199 +362,6 @@ class PPOTrainer:
         from ppolm.evaluate import during_ppo
 
         return during_ppo(self, updates)
-
-    def maybe_keep_best(self, updates: int, metrics: dict[str, Any]) -> None:
-        """Save the policy to best/ when the chosen eval metric improves (e.g. a gold judge)."""
-        from ppolm.models import save_pretrained
-
-        name = self.cfg.run.best_metric
-        if name is None:
-            return
-        if name not in metrics:
-            raise PPOLMError(f"--best-metric {name} is not an eval metric; choose one of "
-                             f"{', '.join(k for k in metrics if k.startswith('eval/') and not k.endswith('_se'))}")
-        if metrics[name] > self.best_value:
-            self.best_value = metrics[name]
-            best = self.out / "best"
-            if hasattr(self.policy, "merge_and_unload"):
-                self.policy.save_pretrained(str(best / "policy_adapter"))
-            else:
-                save_pretrained(self.policy, self.tokenizer, best / "policy")
-            (self.out / "best.json").write_text(json.dumps(
-                {"step": updates, "metric": name, "value": metrics[name], "se": metrics.get(name + "_se"),
-                 "kl": metrics["eval/kl"]}, indent=2))
-
-    def run_eval(self, updates: int, tracker: Any) -> None:
-        metrics, rows = self.evaluate(updates)
-        tracker.log_eval(updates, metrics, rows)
-        self.maybe_keep_best(updates, metrics)
-
-    # ----------------------------------------------------------------------------------------
-    def state(self, next_step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors = dict(self.trained_parameters())
-        ta, ma = checkpoint.optimizer_state(self.actor_opt, "actor_opt")
-        tc, mc = checkpoint.optimizer_state(self.critic_opt, "critic_opt")
-        tr, mr = checkpoint.rng_state()
-        tensors.update(ta | tc | tr)
-        meta = {"next_step": next_step, "kl_ctl": self.kl_ctl.state_dict(), "actor_opt": ma, "critic_opt": mc,
-                "actor_sched": self.actor_sched.state_dict(), "critic_sched": self.critic_sched.state_dict(),
-                "rng": mr, "skipped_total": self.skipped_total, "consecutive_skips": self.consecutive_skips}
-        return tensors, meta
-
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for n, p in self.trained_parameters():
-                p.copy_(tensors[n])
-        self.actor.copy_to_model()
-        self.critic_weights.copy_to_model()
-        checkpoint.load_optimizer_state(self.actor_opt, "actor_opt", tensors, meta["actor_opt"])
-        checkpoint.load_optimizer_state(self.critic_opt, "critic_opt", tensors, meta["critic_opt"])
-        self.actor_sched.load_state_dict(meta["actor_sched"])
-        self.critic_sched.load_state_dict(meta["critic_sched"])
-        self.kl_ctl.load_state_dict(meta["kl_ctl"])
-        self.skipped_total, self.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
-        checkpoint.set_rng_state(tensors, meta["rng"])
-        self.start_step = meta["next_step"]
-
-    def save_checkpoint(self, next_step: int) -> None:
-        tensors, meta = self.state(next_step)
-        checkpoint.save(self.out / "checkpoints", next_step, tensors, meta, self.cfg.run.keep_last)
-
-    def save_outputs(self) -> None:
-        """policy/ and critic/ in Hugging Face format (safetensors), loadable by plain transformers."""
-        from ppolm.models import save_pretrained
-
-        bad = checkpoint.first_non_finite(self.trained_parameters())
-        if bad:
-            raise PPOLMError(f"non-finite weights in {bad}; not saving them (see metrics.jsonl guard/*)")
-        # bf16 models are saved in fp32, with the trained weights from their fp32 masters
-        self.actor.to_fp32_model()
-        self.critic_weights.to_fp32_model()
-        self.policy.float()
-        if self.critic is not None:
-            self.critic.float()
-        policy = self.policy
-        # each output directory is written beside its final name, then swapped in (a full disk leaves
-        # the previous one, and the checkpoints, intact)
-        if hasattr(policy, "merge_and_unload"):  # LoRA: save the adapter, and the merged model in policy/
-            with checkpoint.atomic_dir(self.out / "policy_adapter") as tmp:
-                policy.save_pretrained(str(tmp))
-            policy = policy.merge_and_unload()
-            self.policy = policy
-        with checkpoint.atomic_dir(self.out / "policy") as tmp:
-            save_pretrained(policy, self.tokenizer, tmp)
-        with checkpoint.atomic_dir(self.out / "critic") as tmp:
-            if self.tap is not None:  # top layers on a frozen trunk: saved as one whole model
-                src, _ = self.critic_source
-                m = self.cfg.model
-                full = self.critic.full_model(src, dtype=torch.float32, device="cpu",
-                                              trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
-                save_pretrained(full, self.tokenizer, tmp)
-                del full
-            elif self.critic is not None:
-                save_pretrained(self.critic, self.tokenizer, tmp)
-            else:
-                from safetensors.torch import save_file
-
-                save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
-                          str(tmp / "value_head.safetensors"))
-            if self.value_bias is not None:  # value = head output + bias (the RM's normalisation, trained on)
-                (tmp / "ppolm_value.json").write_text(json.dumps({"bias": float(self.value_bias.detach())}, indent=2))
-
-    # ----------------------------------------------------------------------------------------
-    def resume(self) -> None:
-        """Continue from the newest valid checkpoint in --output-dir (``--resume``), if there is one."""
-        found = checkpoint.load_latest(self.out / "checkpoints")
-        if not found:
-            print(f"no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
-            return
-        path, tensors, meta = found
-        try:
-            self.load_state(tensors, meta)
-        except (KeyError, RuntimeError, ValueError, TypeError) as e:
-            raise PPOLMError(f"checkpoint {path} does not match this model or version "
-                             f"({type(e).__name__}: {str(e)[:120]}); resume with the same --model, "
-                             "or start again with --overwrite") from None
-        print(f"resuming from {path} (step {self.start_step})", file=sys.stderr)
-
-    def train(self) -> PPOResult:
-        from ppolm import tracking
-
-        cfg = self.cfg
-        # a skipped (non-finite) update still advances the schedules, on purpose: resume-exact
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        if cfg.run.resume:
-            self.resume()
-        evaluating = self.eval_prompts is not None
-        with runtime.stop_on_signal() as stop:
-            try:
-                # The first eval and step run before anything is written: a reward function that raises
-                # or returns garbage fails with the output directory exactly as it was.
-                t_begin = time.perf_counter()
-                print(f"{'evaluating, then ' if evaluating and self.start_step == 0 else ''}running step "
-                      f"{self.start_step + 1}/{cfg.algo.steps} (the progress bar starts after it)", file=sys.stderr)
-                first_eval = self.evaluate(0) if evaluating and self.start_step == 0 else None
-                first = self.step(self.start_step) if self.start_step < cfg.algo.steps else None
-                runtime.prepare_ppo_output_dir(self.out, cfg, OUTPUTS, commit=True)
-                config.save_yaml(cfg, self.out / "config.yaml")
-                for f in ("metrics.jsonl", "samples.jsonl"):
-                    tracking.truncate_rows(self.out / f, self.start_step)
-                for f in ("eval.jsonl", "eval_samples.jsonl"):  # keyed by updates done: the start's eval is kept
-                    tracking.truncate_rows(self.out / f, self.start_step + 1)
-            except OSError as e:
-                raise checkpoint.disk_error(e, self.out) from None
-            if cfg.run.best_metric and (self.out / "best.json").exists():
-                self.best_value = json.loads((self.out / "best.json").read_text())["value"]
-
-            tracker = None
-            step = self.start_step
-            try:
-                tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet, t0=t_begin)
-                if first_eval is not None:
-                    tracker.log_eval(0, *first_eval)
-                    self.maybe_keep_best(0, first_eval[0])
-                for step in range(self.start_step, cfg.algo.steps):
-                    metrics, samples = first if step == self.start_step else self.step(step)
-                    first = None
-                    tracker.log(step, metrics)
-                    if samples:
-                        tracker.samples(samples)
-                    last = step + 1 == cfg.algo.steps
-                    self.check_health(step, last)
-                    if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
-                        self.run_eval(step + 1, tracker)
-                    if (step + 1) % cfg.run.save_every == 0 or last or stop["requested"]:
-                        self.save_checkpoint(step + 1)
-                    if stop["requested"] and not last:
-                        break
-            except OSError as e:
-                raise checkpoint.disk_error(e, self.out) from None
-            finally:
-                if tracker is not None:
-                    tracker.close()
-        interrupted = stop["requested"] and step + 1 < cfg.algo.steps
-        if interrupted:
-            print(f"interrupted after step {step + 1}; checkpoint saved. Continue with the same command "
-                  "plus --resume", file=sys.stderr)
-        else:
-            try:
-                self.save_outputs()
-            except OSError as e:
-                raise checkpoint.disk_error(e, self.out, "the final policy/critic") from None
-        return PPOResult(self.out, tracking.read_jsonl(self.out / "metrics.jsonl"), interrupted)
-
-    def check_health(self, step: int, last: bool) -> None:
-        """Stop a run that keeps skipping updates, or whose weights went non-finite, before it saves."""
-        n = self.consecutive_skips
-        # a run that ends having skipped every update trained nothing: the same error, sooner
-        if n >= self.cfg.run.max_skipped_updates or (last and n > step):
-            cause = getattr(self, "skip_cause", "non-finite values")
-            raise PPOLMError(f"{n} consecutive updates skipped (last at step {step}: {cause}); fix the reward or "
-                             "lower --actor-lr, then continue from the last checkpoint with --resume")
-        bad = checkpoint.first_non_finite(self.trained_parameters())
-        if bad:
-            raise PPOLMError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "
-                             "Lower --actor-lr/--critic-lr and continue from the last checkpoint with --resume")
 
     def trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of everything trained: the policy and the critic or value head; with bf16
@@ -574,57 +376,6 @@ class PPOTrainer:
         mod = self.value_head if self.value_head is not None else self.critic
         named = [(n, p) for n, p in mod.named_parameters() if p.requires_grad]
         return named + ([("value_bias", self.value_bias)] if self.value_bias is not None else [])
-
-
-def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[str, torch.Tensor], *, eos_id: int,
-                 beta: float, adv_var: float, lr: float, critic_lr: float, epochs: int, skipped_total: int,
-                 times: tuple[float, float, float, float]) -> dict[str, Any]:
-    """One PPO iteration's metrics row (names as TRL's PPOTrainer logs them, see docs/details.md);
-    ``stats``: the update's per-microbatch values; ``times``: when the step, and its score and
-    train phases, began and when the update ended."""
-    roll, mask = exp.roll, exp.mask
-
-    def avg(xs: list[float]) -> float:
-        return sum(xs) / len(xs) if xs else float("nan")
-
-    t_start, t_rollout, t_score, t_train = times
-    metrics = {
-        "objective/kl": exp.kl.sum(1).mean().item(),
-        "objective/kl_coef": beta,
-        "objective/entropy": (-exp.old_logprobs * mask).sum(1).mean().item(),
-        "objective/scores": exp.scores.mean().item(),
-        "objective/non_score_reward": exp.non_score.sum(1).mean().item(),
-        "objective/rlhf_reward": (exp.scores + exp.non_score.sum(1)).mean().item(),
-        "policy/approxkl_avg": avg(stats["approxkl"]),
-        "policy/clipfrac_avg": avg(stats["clipfrac"]),
-        "policy/entropy_avg": core.masked_mean(exp.entropy, mask).item(),
-        "loss/policy_avg": avg(stats["pg"]),
-        "loss/value_avg": avg(stats["vf"]),
-        "val/clipfrac_avg": avg(stats["vf_clipfrac"]),
-        "val/ratio": avg(stats["ratio"]),
-        "val/vf_explained_var": core.explained_variance(exp.values, exp.returns, mask),
-        "val/num_eos_tokens": int((roll.response == eos_id).sum()),
-        # |recomputed - sampled| log-prob per token: ~0 in fp32, bf16 rounding of two computation
-        # paths (KV-cache decoding vs one full pass) otherwise; large values mean the rollouts were
-        # not drawn from the distribution PPO optimises
-        "policy/sampler_logprob_gap": core.masked_mean((exp.old_logprobs - roll.sample_logprobs).abs(), mask).item(),
-        "adv/var": adv_var,
-        "response/length_mean": roll.lengths.float().mean().item(),
-        "lr": lr,
-        "lr/critic": critic_lr,
-        "ppo/epochs": epochs,
-        "guard/skipped_updates": skipped_total,
-        "time/rollout_s": t_rollout - t_start,
-        "time/score_s": t_score - t_rollout,
-        "time/train_s": t_train - t_score,
-        "time/step_s": time.perf_counter() - t_start,
-    }
-    if stats["ptx"]:
-        metrics["loss/ptx_avg"] = avg(stats["ptx"])
-    for name, s in parts.items():
-        metrics[name] = s.float().mean().item()
-    return metrics
-
 
 
 
