@@ -250,9 +250,10 @@ class PPOTrainer:
         adv_var = core.masked_var(advantages, mask).item() if mask.sum() > 1 else 0.0
         if a.whiten_advantages:
             advantages = core.masked_whiten(advantages, mask)
-        exp = ro.Experience(roll, mask, fo.ref_logprobs, old_logprobs, entropy, old_values, scores, kl, non_score,
-                            rewards, advantages, returns, fo.critic_input, fo.policy_entering,
-                            first_pass if fused else None)
+        exp = ro.Experience(roll=roll, mask=mask, ref_logprobs=fo.ref_logprobs, old_logprobs=old_logprobs,
+                            entropy=entropy, values=old_values, scores=scores, kl=kl, non_score=non_score,
+                            rewards=rewards, advantages=advantages, returns=returns, critic_input=fo.critic_input,
+                            policy_entering=fo.policy_entering, first_pass=first_pass if fused else None)
         del first_pass
 
         # 6. PPO epochs: clipped policy and value losses on shuffled minibatches (skipped, and
@@ -277,9 +278,10 @@ class PPOTrainer:
         self.skipped_total += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
 
-        metrics = ppo_metrics.step_metrics(exp, stats, fo.parts, eos_id=self.eos_id, beta=beta, adv_var=adv_var, lr=lr,
-                               critic_lr=critic_lr, epochs=epochs_done, skipped_total=self.skipped_total,
-                               times=(t_start, t_rollout, t_score, t_train))
+        metrics = ppo_metrics.step_metrics(exp, stats, fo.parts, eos_id=self.eos_id, beta=beta, adv_var=adv_var,
+                                           lr=lr, critic_lr=critic_lr, epochs=epochs_done,
+                                           skipped_total=self.skipped_total,
+                                           times=(t_start, t_rollout, t_score, t_train))
         samples = []
         if step % cfg.run.sample_every == 0 or step == a.steps - 1:
             kl_seq = kl.sum(1)
