@@ -35,6 +35,8 @@ class PPOResult:
 
 
 def run(trainer: Any) -> PPOResult:
+    """Train for --steps PPO steps (from the newest checkpoint with --resume) and write the outputs;
+    Ctrl-C/SIGTERM ends the run after its current step, with a checkpoint."""
     from ppolm import tracking
 
     cfg = trainer.cfg
