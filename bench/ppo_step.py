@@ -91,7 +91,7 @@ def run_one(workload: str, precision: str, steps: int) -> dict:
     for i in range(4):
         torch.manual_seed(i)
         t = time.perf_counter()
-        with torch.no_grad(), trainer.autocast():
+        with torch.no_grad():  # the models compute in the run's dtype (no autocast)
             trainer.policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32,
                                     do_sample=True, temperature=1.0, top_k=0, pad_token_id=trainer.pad_id)
         gen_times.append(time.perf_counter() - t)

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         from ppolm import config
-        from ppolm.ppo import refuse_data_parallel
+        from ppolm.runtime import refuse_data_parallel
 
         refuse_data_parallel()  # before anything is read or written
         cfg = config.from_cli(args._cfg_cls, args, args.command)

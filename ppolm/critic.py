@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ppolm import models
+from ppolm import models, prefix
 
 
 def stack(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList] | None:
@@ -53,8 +53,6 @@ class Tap:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        from ppolm import prefix
-
         def hook(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             h = prefix.captured(id(self), args[0].detach())
             if h is not None:

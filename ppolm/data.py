@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ppolm.errors import PPOLMError
 
 BUILTIN_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
@@ -127,10 +129,6 @@ class Prompt:
     extra: dict[str, Any]
     """Every other column of the row (e.g. a reference 'answer'), passed to reward functions."""
 
-    @property
-    def is_chat(self) -> bool:
-        return isinstance(self.raw, list)
-
 
 def encode_prompt(raw: str | list[dict[str, str]], tokenizer: Any, chat_template: bool) -> list[int]:
     if isinstance(raw, list) or chat_template:
@@ -193,3 +191,26 @@ def load_text_corpus(path: str | Path) -> list[str]:
     if not texts:
         raise PPOLMError(f"{path} holds no non-empty text")
     return texts
+
+
+class PromptOrder:
+    """Which prompt each rollout row gets. Row i of the run (step s holds rows s*B .. s*B + B - 1)
+    takes position i mod n of pass i // n's permutation, drawn from ``seed`` and the pass number
+    alone: the prompts of a step depend only on the seed and the step, so a resumed run picks the
+    same ones. Each pass's permutation is drawn once and kept until the next pass begins: O(B) per
+    step, amortised, instead of an O(n) permutation per row."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self.epoch, self.perm = -1, []  # the cached pass and its permutation
+
+    def permutation(self, epoch: int) -> list[int]:
+        if epoch != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
+            self.perm, self.epoch = torch.randperm(self.n, generator=g).tolist(), epoch
+        return self.perm
+
+    def indices(self, step: int, batch_size: int) -> list[int]:
+        """The prompt indices of ``step``'s batch."""
+        first = step * batch_size
+        return [self.permutation(i // self.n)[i % self.n] for i in range(first, first + batch_size)]

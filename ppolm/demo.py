@@ -156,7 +156,7 @@ class Demo:
         self.out = Path(cfg.output_dir)
         base = QUICK if cfg.quick else FULL
         self.sizes = Sizes(**{**asdict(base), **({"steps": cfg.steps} if cfg.steps else {})})
-        from ppolm.precision import dtype_of, resolve_device, resolve_precision
+        from ppolm.runtime import dtype_of, resolve_device, resolve_precision
 
         # one device for every stage, and the precision that is fastest *there* (not bf16 because a
         # GPU exists while the stages compute on the CPU)
@@ -399,7 +399,7 @@ class Demo:
         bs, t = 32, time.perf_counter()
         for i in range(0, len(prompts), bs):
             ids = [encode_prompt(p, tok, True) for p in prompts[i:i + bs]]
-            with torch.no_grad():  # the models are in the run's dtype (ppolm/precision.py)
+            with torch.no_grad():  # the models are in the run's dtype (ppolm/runtime.py)
                 roll = ro.generate(policy, ids, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                                    max_new_tokens=self.sizes.response_length, temperature=temperature)
             texts += tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)

@@ -13,7 +13,7 @@ response, EOS) and only its tokens count in a log-probability, never the prompt'
 is the starting model (with LoRA: the model with its adapter disabled); its log-probabilities of
 every chosen and rejected response are computed once before training, so training runs only the
 policy. The optimiser loop, checkpoints, ``--resume`` and the non-finite guard are
-:class:`ppolm.sft.TrainLoop`, as for ``ppolm sft`` and ``ppolm reward``.
+:class:`ppolm.trainloop.TrainLoop`, as for ``ppolm sft`` and ``ppolm reward``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from ppolm import core
-from ppolm import sft as common  # the training helpers SFT, reward and DPO training share
+from ppolm import core, runtime, sft, trainloop
 from ppolm.errors import PPOLMError
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -105,7 +104,7 @@ class DPOConfig:
     """Accept pickle-based weights (.bin/.pt), which can run arbitrary code when loaded."""
 
     def validate(self) -> None:
-        common.check_common(self)
+        trainloop.check_common(self)
         if not self.beta > 0:  # (also rejects nan)
             raise PPOLMError(f"--beta must be > 0; got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
@@ -117,7 +116,7 @@ class DPOConfig:
 
 # ------------------------------------------------------------------------------------ log-probabilities
 
-PairExamples = tuple[common.Example, common.Example]
+PairExamples = tuple[sft.Example, sft.Example]
 """(chosen, rejected): prompt + response + EOS ids, the first n_prompt being the prompt."""
 
 
@@ -126,15 +125,15 @@ def load_pair_examples(path: str, tok: Any, chat_template: bool, max_length: int
     from ppolm.reward_train import encode_pairs_with_prompts, load_pairs
 
     encoded = encode_pairs_with_prompts(load_pairs(path, margin_column=None), tok, chat_template, max_length, path)
-    return [(common.Example(c, n), common.Example(r, n)) for n, c, r, _ in encoded]
+    return [(sft.Example(c, n), sft.Example(r, n)) for n, c, r, _ in encoded]
 
 
-def sequence_logps(model: Any, examples: list[common.Example], pad_id: int, device: torch.device
+def sequence_logps(model: Any, examples: list[sft.Example], pad_id: int, device: torch.device
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(response | prompt) of each example, summed over its response tokens (EOS included),
     and the number of those tokens: ((N,) float32, (N,) float32). Prompt tokens never count."""
-    ids, mask, loss_mask = common.collate(examples, pad_id, device)
-    logits, targets, sel = common.response_logits(model, ids, mask, loss_mask)
+    ids, mask, loss_mask = sft.collate(examples, pad_id, device)
+    logits, targets, sel = sft.response_logits(model, ids, mask, loss_mask)
     token_logps = core.logprobs_from_logits(logits, targets)  # (n_tokens,)
     rows = sel.nonzero()[:, 0]
     sums = torch.zeros(len(examples), dtype=torch.float32, device=token_logps.device).index_add(0, rows, token_logps)
@@ -162,7 +161,7 @@ def reference_logps(model: Any, pairs: list[PairExamples], batch_size: int, pad_
     out = []
     with off:
         for i in range(0, len(pairs), batch_size):
-            with common.autocast(device, precision):
+            with trainloop.autocast(device, precision):
                 c, r = pair_logps(model, pairs[i:i + batch_size], pad_id, device, per_token)
             out.append(torch.stack([c, r], dim=1).float().cpu())
     return torch.cat(out) if out else torch.zeros(0, 2)
@@ -185,7 +184,7 @@ def evaluate(model: Any, pairs: list[PairExamples], ref: torch.Tensor, cfg: DPOC
     model.eval()
     total: dict[str, float] = {}
     for i in range(0, len(pairs), cfg.batch_size):
-        with common.autocast(device, cfg.precision):
+        with trainloop.autocast(device, cfg.precision):
             c, r = pair_logps(model, pairs[i:i + cfg.batch_size], pad_id, device, cfg.loss_type == "ipo")
         ref_b = ref[i:i + cfg.batch_size].to(c.device)
         loss, rc, rr = core.dpo_loss(c, r, ref_b[:, 0], ref_b[:, 1], cfg.beta, cfg.label_smoothing, cfg.loss_type)
@@ -206,30 +205,30 @@ def train_dpo(cfg: DPOConfig) -> list[dict[str, Any]]:
 
 def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
     from ppolm import checkpoint, models
-    from ppolm.ppo import resolve_device, resolve_precision, seed_everything
+    from ppolm.runtime import resolve_device, resolve_precision, seed_everything
 
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # 'auto' -> bf16|fp32
-    common.prepare_output_dir(out, cfg, "dpo_config.yaml")  # checks only: nothing changes before the inputs load
+    runtime.prepare_output_dir(out, cfg, "dpo_config.yaml")  # checks only: nothing changes before the inputs load
     seed_everything(cfg.seed)
     tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     train = load_pair_examples(cfg.data, tok, cfg.chat_template, cfg.max_length)  # type: ignore[arg-type]
     if cfg.eval_data:
         held = load_pair_examples(cfg.eval_data, tok, cfg.chat_template, cfg.max_length)
     else:
-        train, held = common.split_rows(train, cfg.eval_fraction, cfg.seed)
+        train, held = trainloop.split_rows(train, cfg.eval_fraction, cfg.seed)
     if not train:
         raise PPOLMError(f"{cfg.data} leaves no training pairs after the held-out split; add rows or lower "
                          "--eval-fraction")
     model = models.load_causal_lm(cfg.model, dtype=torch.float32, device=device, tokenizer=tok,
                                   trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     if cfg.lora_r > 0:
-        model = common.apply_lora(model, cfg, "CAUSAL_LM")
-    common.prepare_output_dir(out, cfg, "dpo_config.yaml", commit=True)
+        model = trainloop.apply_lora(model, cfg, "CAUSAL_LM")
+    runtime.prepare_output_dir(out, cfg, "dpo_config.yaml", commit=True)
     try:
-        common.write_config(cfg, out / "dpo_config.yaml")
+        runtime.write_config(cfg, out / "dpo_config.yaml")
     except OSError as e:
         raise checkpoint.disk_error(e, out) from None
     pad, per_token = tok.pad_token_id, cfg.loss_type == "ipo"
@@ -238,7 +237,7 @@ def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
     ref_train = reference_logps(model, train, cfg.batch_size, pad, device, cfg.precision, per_token)
     ref_held = reference_logps(model, held, cfg.batch_size, pad, device, cfg.precision, per_token)
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
-    opt, sched = common.make_optimizer([p for p in model.parameters() if p.requires_grad], cfg,
+    opt, sched = trainloop.make_optimizer([p for p in model.parameters() if p.requires_grad], cfg,
                                        steps_per_epoch * cfg.epochs)
 
     def held_out(row: dict[str, Any]) -> dict[str, Any]:
@@ -249,7 +248,7 @@ def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
     def step_fn(idx: list[int]) -> tuple[torch.Tensor, int, dict[str, Any]]:
         batch = [train[j] for j in idx]
         ref_b = ref_train[idx].to(device)  # (B, 2)
-        with common.autocast(device, cfg.precision):
+        with trainloop.autocast(device, cfg.precision):
             c, r = pair_logps(model, batch, pad, device, per_token)
         loss, rc, rr = core.dpo_loss(c, r, ref_b[:, 0], ref_b[:, 1], cfg.beta, cfg.label_smoothing, cfg.loss_type)
         counters: dict[str, Any] = {"tokens": sum(len(x.ids) + len(y.ids) for x, y in batch)}
@@ -265,11 +264,11 @@ def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
         row.update({k: acc[f"sum/{k}"] / n if n else None for k in METRICS})
         return held_out(row)
 
-    loop = common.TrainLoop(cfg, out, model, opt, sched, len(train), "dpo", step_fn, epoch_row,
+    loop = trainloop.TrainLoop(cfg, out, model, opt, sched, len(train), "dpo", step_fn, epoch_row,
                             lambda: held_out({"epoch": 0}) if held else None)
     if not loop.run():
         return loop.rows, False
-    common.save_model(model, tok, out, merge=cfg.merge_lora)
+    sft.save_model(model, tok, out, merge=cfg.merge_lora)
     return loop.rows, True
 
 

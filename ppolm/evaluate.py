@@ -1,4 +1,5 @@
-"""Evaluation: ``ppolm eval`` compares policies on held-out prompts; ``ppolm reward-eval`` scores a reward model.
+"""Evaluation: ``ppolm eval`` compares policies on held-out prompts; ``ppolm reward-eval`` scores a reward model;
+:func:`during_ppo` is ``ppolm ppo --eval-prompts``'s held-out evaluation.
 
 ``ppolm eval`` samples each policy on the same prompts with the same seed, scores the responses
 with the same reward models and/or functions as PPO (same code path: :class:`ppolm.rewards.Rewarder`),
@@ -136,7 +137,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     from ppolm import models
     from ppolm import rollout as ro
     from ppolm.data import load_prompts
-    from ppolm.ppo import resolve_device, resolve_precision
+    from ppolm.runtime import resolve_device, resolve_precision
 
     cfg.validate()
     policies = cfg.policy or [models.EMBEDDED_DEFAULT]
@@ -267,10 +268,10 @@ def run_eval(cfg: EvalConfig) -> int:
 @torch.no_grad()
 def reward_eval(cfg: RewardEvalConfig) -> dict[str, Any]:
     """Held-out pairwise accuracy, Bradley-Terry loss and mean score gap of a reward model on a pairs file."""
-    from ppolm.ppo import resolve_device, resolve_precision
     from ppolm.reward_train import encode_pairs, evaluate_pairs, load_pairs
     from ppolm.rewards import RewardModel
     from ppolm.rollout import left_pad
+    from ppolm.runtime import resolve_device, resolve_precision
 
     cfg.validate()
     device = resolve_device(cfg.device)
@@ -298,3 +299,76 @@ def run_reward_eval(cfg: RewardEvalConfig) -> int:
     if not math.isfinite(r["loss"]):
         print("warning: non-finite loss; check the reward model", file=sys.stderr)
     return 0
+
+
+# ----------------------------------------------------------------- during a PPO run (--eval-prompts)
+
+@torch.no_grad()
+def during_ppo(trainer: Any, updates: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """PPO's held-out evaluation (``--eval-prompts``) after ``updates`` steps of ``trainer`` (a
+    :class:`ppolm.ppo.PPOTrainer`): (metrics, sample rows).
+
+    Score the held-out prompts with every training source, the eval-only scorers and the KL
+    to the reference. Sampling uses its own seed (:func:`seeded_rng`) so the training RNG stream,
+    and hence resume, is unaffected. eval/score is objective/scores' definition (the training
+    sources' weighted sum, with the missing-EOS and length penalties); eval/<source> is each raw."""
+    from ppolm import core
+    from ppolm import rollout as ro
+    from ppolm.rewards import Rewarder
+    from ppolm.runtime import seeded_rng
+
+    g, cfg = trainer.cfg.generation, trainer.cfg
+    scorer = Rewarder(trainer.rewarder.models, trainer.rewarder.functions + trainer.eval_functions,
+                      model_weight=trainer.rewarder.model_weight, ensemble_rule=trainer.rewarder.ensemble_rule)
+    n_train = len(trainer.rewarder.functions)
+    totals, all_parts, kls, lengths, rows = [], {}, [], [], []
+    trainer.policy.eval()
+    with seeded_rng(cfg.run.seed + 1_000_003, trainer.device):
+        for i in range(0, len(trainer.eval_prompts), cfg.run.eval_batch_size):
+            prompts = trainer.eval_prompts[i:i + cfg.run.eval_batch_size]
+            roll = ro.generate(trainer.policy, [p.ids for p in prompts], pad_id=trainer.pad_id,
+                               eos_id=trainer.eos_id,
+                               max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
+                               top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
+            if cfg.model.share_prefix:
+                roll.share_prefix()
+            fo = trainer.frozen.run(roll, prompts, scorer, tap=False)
+            parts, texts = fo.parts, fo.texts
+            logp = ro.logprobs(trainer.policy, roll, g.temperature, trainer.policy_start, fo.policy_entering)
+            kl = (core.kl_penalty(logp, fo.ref_logprobs, cfg.kl.kl_estimator) * roll.response_mask).sum(1)
+            # the training score excludes the eval-only scorers' weights
+            total = sum((parts[f"reward/{f.name}"] * f.weight for f in scorer.functions[:n_train]),
+                        torch.zeros(len(prompts)))
+            if trainer.rewarder.models:
+                total = total + trainer.rewarder.model_weight * parts[ensemble_key(trainer.rewarder)]
+            total = trainer.penalise(total, roll).cpu()  # as objective/scores; eval/<source> stay raw
+            totals.append(total)
+            for k, v in parts.items():
+                all_parts.setdefault(k, []).append(v)
+            kls.append(kl.float().cpu())
+            lengths.append(roll.lengths.float().cpu())
+            for j, (p, t) in enumerate(zip(prompts, texts)):
+                rows.append({"step": updates, "prompt": p.raw, "response": t,
+                             "scores": {k.removeprefix("reward/"): float(v[j]) for k, v in parts.items()},
+                             "score": float(total[j]), "kl": float(kl[j])})
+    trainer.policy.train()
+
+    def mean_se(xs: list[torch.Tensor]) -> tuple[float, float]:
+        x = torch.cat(xs).float()
+        return x.mean().item(), (x.std().item() / math.sqrt(len(x)) if len(x) > 1 else 0.0)
+
+    metrics: dict[str, Any] = {"updates": updates}
+    metrics["eval/score"], metrics["eval/score_se"] = mean_se(totals)
+    for k, v in all_parts.items():
+        name = "eval/" + k.removeprefix("reward/")
+        metrics[name], metrics[name + "_se"] = mean_se(v)
+    metrics["eval/kl"], metrics["eval/kl_se"] = mean_se(kls)
+    metrics["eval/length_mean"] = torch.cat(lengths).mean().item()
+    return metrics, rows
+
+
+def ensemble_key(rewarder: Any) -> str:
+    """The parts key holding the (ensembled) reward-model score."""
+    if len(rewarder.models) == 1:
+        return f"reward/{rewarder.models[0].name}"
+    return f"reward/ensemble_{rewarder.ensemble_rule}"

@@ -420,13 +420,11 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def scalar_forward(model, input_ids, attention_mask, position_ids=None, split=None) -> torch.Tensor:
     """The scalar head's output at every position, shape (B, T), float32 (also for peft-wrapped models).
-    ``split``: the rows' common beginning, run once (ppolm/prefix.py)."""
-    from ppolm import prefix
-
+    ``split``: the rows' common beginning, run once (a :class:`ppolm.prefix.PrefixSplit`)."""
     inner = _unwrap(model)
     backbone = getattr(inner, inner.base_model_prefix)
-    if split is not None and position_ids is None and prefix.usable(model):
-        hidden = prefix.forward(backbone, input_ids, attention_mask, split)
+    if split is not None and position_ids is None and split.usable(model):
+        hidden = split.forward(backbone, input_ids, attention_mask)
     else:
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)

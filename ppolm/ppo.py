@@ -1,45 +1,39 @@
 """The PPO trainer of InstructGPT: rollout -> score -> KL vs reference -> GAE -> clipped updates.
 
-The four models are four named attributes of :class:`PPOTrainer`: ``policy`` (trained),
-``reference`` (frozen copy; with LoRA, ``None``: the policy with its adapter disabled),
-``rewarder`` (frozen reward models and/or reward functions) and ``critic`` (a separate value
-model, or ``value_head`` on the policy's trunk). :meth:`PPOTrainer.step` is one PPO iteration
-written as the numbered steps of the seed's pseudo-code; the maths is in :mod:`ppolm.core`.
-"""
+The four models are four named attributes of :class:`PPOTrainer`, built in ppolm/ppo_models.py:
+``policy`` (trained), ``reference`` (frozen copy; with LoRA, ``None``: the policy with its adapter
+disabled), ``rewarder`` (frozen reward models and/or reward functions) and ``critic`` (a separate
+value model, or ``value_head`` on the policy's trunk). :meth:`PPOTrainer.step` is one PPO
+iteration written as the numbered steps of the seed's pseudo-code: it fills an
+:class:`ppolm.rollout.Experience` (the frozen models' part comes from ppolm/frozen.py) and
+:meth:`PPOTrainer.update` runs the PPO epochs on it; the maths is in :mod:`ppolm.core`, the
+metrics row in ppolm/ppo_metrics.py, and the run around the steps (resume, checkpoints,
+evaluation, outputs) in ppolm/ppo_run.py."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import random
-import shutil
-import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ppolm import alarms, checkpoint, config, core, precision
+from ppolm import core, ppo_metrics, ppo_run, runtime
 from ppolm import rollout as ro
-from ppolm.errors import PPOLMError
+from ppolm.data import PromptOrder  # noqa: F401  (public here too)
 from ppolm.ppo_config import PPOConfig
-from ppolm.precision import resolve_device, resolve_precision  # noqa: F401  (public here too)
-
-OUTPUTS = ("policy", "policy_adapter", "critic", "checkpoints", "tensorboard", "metrics.jsonl", "samples.jsonl",
-           "eval.jsonl", "eval_samples.jsonl", "best", "best.json", "config.yaml", "report.html", "plots")
-
-
-@dataclass
-class PPOResult:
-    output_dir: Path
-    metrics: list[dict[str, Any]]
-    interrupted: bool = False
+from ppolm.ppo_run import OUTPUTS, PPOResult  # noqa: F401  (public here too)
+from ppolm.runtime import (  # noqa: F401  (public here too)
+    refuse_data_parallel,
+    resolve_device,
+    resolve_precision,
+    rng_devices,
+    seed_everything,
+    seeded_rng,
+)
 
 
 def train_ppo(cfg: PPOConfig) -> PPOResult:
@@ -47,148 +41,22 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     return PPOTrainer(cfg).train()
 
 
-def refuse_data_parallel() -> None:
-    """Refuse to run as one of several processes (``torchrun --nproc-per-node N`` sets WORLD_SIZE):
-    nothing is synchronised across processes yet, so N of them would train N independent models
-    and race on one --output-dir."""
-    n = os.environ.get("WORLD_SIZE", "1").strip() or "1"
-    if n != "1":
-        raise PPOLMError(f"data-parallel training is not supported yet: run one process (WORLD_SIZE={n} was set "
-                         "by torchrun or the environment)")
-
-
-def rng_devices(device: torch.device) -> list[int]:
-    """The CUDA devices whose generators a computation on ``device`` draws from: that device's
-    index (the current device when the index is unset), or none on a CPU."""
-    if device.type != "cuda":
-        return []
-    return [device.index if device.index is not None else torch.cuda.current_device()]
-
-
-@contextlib.contextmanager
-def seeded_rng(seed: int, device: torch.device) -> Iterator[None]:
-    """Run a block with its own seed on the CPU generator and, on CUDA, ``device``'s generator, and
-    restore both afterwards. (``torch.manual_seed`` would reseed every CUDA device, including ones
-    ``torch.random.fork_rng(devices=...)`` did not save, so it is not used here.)"""
-    devices = rng_devices(device)
-    with torch.random.fork_rng(devices=devices):
-        torch.default_generator.manual_seed(seed)
-        for d in devices:
-            with torch.cuda.device(d):
-                torch.cuda.manual_seed(seed)
-        yield
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def prepare_output_dir(out: Path, cfg: PPOConfig, commit: bool = False) -> None:
-    """Refuse to mix runs: an existing non-empty dir needs --resume (same config) or --overwrite.
-
-    Without ``commit`` this only checks (nothing on disk changes, so a bad input found later leaves
-    the directory as it was); ``commit=True``, called once the first step has succeeded, removes
-    the previous run's outputs (--overwrite) and creates the directory.
-    """
-    if out.exists() and not out.is_dir():
-        raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
-    if commit:
-        if cfg.run.overwrite and out.is_dir():
-            for name in OUTPUTS:
-                p = out / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
-        return
-    if out.is_dir() and any(out.iterdir()):
-        saved = out / "config.yaml"
-        if cfg.run.overwrite:
-            pass  # replaced at commit, after the first step succeeded
-        elif cfg.run.resume:
-            if not saved.exists():
-                raise PPOLMError(f"--output-dir {out} does not hold a ppolm run (no config.yaml); "
-                                 "choose another directory")
-            before = config.load_yaml(saved)
-            diff = config_difference(before, config.to_dict(cfg))
-            if diff:
-                raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); "
-                                 "resume with the same options, or use --overwrite or a new --output-dir")
-            old_steps = (before.get("algo") or {}).get("steps") if isinstance(before, dict) else None
-            if cfg.algo.lr_schedule == "linear" and old_steps is not None and old_steps != cfg.algo.steps:
-                # the schedule's lambda decays over --steps: another total rescales every step's rate
-                raise PPOLMError(f"--steps changed from {old_steps} to {cfg.algo.steps} but the linear learning-rate "
-                                 f"schedule decays over --steps; resume with --steps {old_steps} (a run with "
-                                 "--lr-schedule constant can be extended)")
-        else:
-            raise PPOLMError(f"--output-dir {out} already holds files; pass --resume to continue that run, "
-                             "--overwrite to replace it, or choose a new directory")
-    checkpoint.check_creatable(out)
-
-
-RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "save_every", "keep_last", "sample_every",
-               "max_skipped_updates"}
-
-
-def config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    """First differing option between two config dicts, ignoring run-control options."""
-    for sec, vals in now.items():
-        if not isinstance(vals, dict):
-            continue
-        for k, v in vals.items():
-            if k in RUN_CONTROL:
-                continue
-            section = saved.get(sec, {}) if isinstance(saved, dict) else {}
-            old = section.get(k, v) if isinstance(section, dict) else None
-            if old != v:
-                return f"{k}: {old!r} then, {v!r} now"
-    return ""
-
-
-class PromptOrder:
-    """Which prompt each rollout row gets. Row i of the run (step s holds rows s*B .. s*B + B - 1)
-    takes position i mod n of pass i // n's permutation, drawn from ``seed`` and the pass number
-    alone: the prompts of a step depend only on the seed and the step, so a resumed run picks the
-    same ones. Each pass's permutation is drawn once and kept until the next pass begins: O(B) per
-    step, amortised, instead of an O(n) permutation per row."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed = n, seed
-        self.epoch, self.perm = -1, []  # the cached pass and its permutation
-
-    def permutation(self, epoch: int) -> list[int]:
-        if epoch != self.epoch:
-            g = torch.Generator().manual_seed(self.seed * 100003 + epoch)
-            self.perm, self.epoch = torch.randperm(self.n, generator=g).tolist(), epoch
-        return self.perm
-
-    def indices(self, step: int, batch_size: int) -> list[int]:
-        """The prompt indices of ``step``'s batch."""
-        first = step * batch_size
-        return [self.permutation(i // self.n)[i % self.n] for i in range(first, first + batch_size)]
-
-
 class PPOTrainer:
     def __init__(self, cfg: PPOConfig):
-        from ppolm import models
-        from ppolm.data import load_prompts, load_text_corpus
-        from ppolm.rewards import Rewarder, RewardFunction, RewardModel, function_name, load_reward_fn
+        from ppolm import models, ppo_models
+        from ppolm.frozen import FrozenModels
+        from ppolm.rewards import RewardFunction, function_name, load_reward_fn
 
         refuse_data_parallel()
         cfg.validate()
         self.cfg = cfg
-        m, a = cfg.model, cfg.algo
+        m = cfg.model
         self.out = Path(cfg.run.output_dir)
-        prepare_output_dir(self.out, cfg)
+        runtime.prepare_ppo_output_dir(self.out, cfg, OUTPUTS)
         self.device = resolve_device(m.device)
-        # bf16: every model computes in bf16, trained weights keep fp32 masters (ppolm/precision.py)
+        # bf16: every model computes in bf16, trained weights keep fp32 masters (ppolm/runtime.py)
         self.precision = resolve_precision(m.precision, self.device)
-        self.dtype = precision.dtype_of(self.precision)
+        self.dtype = runtime.dtype_of(self.precision)
         seed_everything(cfg.run.seed)
 
         # The reward comes first: a wrong spec should fail before minutes of model loading.
@@ -196,133 +64,28 @@ class PPOTrainer:
         weights = cfg.reward.reward_fn_weights or [1.0] * len(specs)
         taken: set[str] = set()
         functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), w) for s, w in zip(specs, weights)]
-
+        self.eval_functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), 1.0)
+                               for s in cfg.run.eval_reward_fn]
         self.tokenizer = models.load_tokenizer(m.model)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         # Data before models, so a bad file fails in seconds, not after loading four models.
-        from transformers import AutoConfig
-
         model_dir = models.resolve_model_dir(m.model, allow_pickle=m.allow_pickle)
-        ctx = getattr(AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code),
-                      "max_position_embeddings", None)
-        self.prompts = load_prompts(cfg.run.prompts, self.tokenizer, chat_template=cfg.run.chat_template,
-                                    max_length=cfg.generation.max_prompt_length, context_length=ctx,
-                                    response_length=cfg.generation.response_length)
-        self.eval_prompts = None
-        if cfg.run.eval_prompts is not None:
-            self.eval_prompts = load_prompts(cfg.run.eval_prompts, self.tokenizer, chat_template=cfg.run.chat_template,
-                                             max_length=cfg.generation.max_prompt_length, context_length=ctx,
-                                             response_length=cfg.generation.response_length)
-        self.eval_functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), 1.0)
-                               for s in cfg.run.eval_reward_fn]
+        self.load_data(model_dir)
         self.best_value = -math.inf
-        self.ptx_ids = None
-        if a.ptx_coef > 0:
-            texts = load_text_corpus(a.ptx_data)  # type: ignore[arg-type]
-            self.ptx_ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:256] for t in texts]
-            self.ptx_ids = [x for x in self.ptx_ids if len(x) >= 2]
 
-        # 1. policy (trained) and 2. reference (frozen)
-        self.policy = models.load_causal_lm(m.model, dtype=self.dtype, device=self.device,
-                                            trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
-        models.check_output_path(self.policy)
-        self.reference = None
-        if m.lora_r > 0:
-            from peft import LoraConfig, get_peft_model
-
-            targets: Any = m.lora_target if m.lora_target == "all-linear" else m.lora_target.split(",")
-            self.policy = get_peft_model(self.policy, LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha,
-                                                                 lora_dropout=0.0, target_modules=targets,
-                                                                 task_type="CAUSAL_LM"))
-        else:
-            self.reference = models.load_causal_lm(m.model, dtype=self.dtype, device=self.device,
-                                                   trust_remote_code=m.trust_remote_code,
-                                                   allow_pickle=m.allow_pickle).requires_grad_(False)
-        self.policy.train()  # dropout is already 0 in every model; train() only matters to peft
-
-        # 3. reward: frozen reward models and/or functions
-        rms = [RewardModel(p, dtype=self.dtype, device=self.device, trust_remote_code=m.trust_remote_code,
-                           allow_pickle=m.allow_pickle) for p in cfg.reward.reward_model]
-        self.rm_same_vocab = [rm.tokenizer.get_vocab() == self.tokenizer.get_vocab() for rm in rms]
-        self.rewarder = Rewarder(rms, functions, model_weight=cfg.reward.reward_model_weight,
-                                 ensemble_rule=cfg.reward.reward_ensemble)
-
-        # 4. critic: a separate model (from the RM or the policy), by default only its top layers
-        #    trained on the frozen trunk they share with that model (ppolm/critic.py); or a value
-        #    head on the policy's trunk
-        self.critic, self.value_head, self.tap = None, None, None
-        self.critic_from_rm = False
-        self.value_bias: torch.nn.Parameter | None = None  # the critic's share of the RM normalisation
-        if m.critic == "shared":
-            d = self.policy.config.hidden_size
-            self.value_head = torch.nn.Linear(d, 1).to(self.device)
-            torch.nn.init.zeros_(self.value_head.weight)
-            torch.nn.init.zeros_(self.value_head.bias)
-        else:
-            from ppolm import critic as critic_lib
-
-            from_rm = bool(m.critic_init == "reward" and rms)
-            if from_rm and not self.rm_same_vocab[0]:
-                print(f"the reward model {rms[0].name} has its own tokenizer: the critic starts from the policy",
-                      file=sys.stderr)
-                from_rm = False
-            self.critic_from_rm = from_rm
-            head = "keep" if from_rm and not m.critic_zero_head else "value"  # "value": a zero head
-            self.critic_source = (rms[0].dir if from_rm else model_dir, head)
-            load = dict(dtype=self.dtype, device=self.device, trust_remote_code=m.trust_remote_code,
-                        allow_pickle=m.allow_pickle)
-            frozen = rms[0].model if from_rm else (self.reference if self.reference is not None else self.policy)
-            built = critic_lib.build(self.critic_source[0], frozen, m.critic_layers,
-                                     head_init=self.critic_source[1], **load)
-            if built is not None:
-                self.critic, self.tap = built
-            else:
-                self.critic = models.load_scalar_model(self.critic_source[0], head_init=self.critic_source[1],
-                                                       **load)
-            self.critic.train()
-            if from_rm and not m.critic_zero_head:
-                # The RM scores through its normalisation (gain, bias); so does the critic at the start, so
-                # its first values are on the scale of the returns (else explained variance starts << 0).
-                head = models._unwrap(self.critic.model if self.tap is not None else self.critic).score
-                with torch.no_grad():
-                    head.weight.mul_(rms[0].gain)
-                self.value_bias = torch.nn.Parameter(torch.tensor(float(rms[0].bias), device=self.device))
-
-        # Frozen layers the reference has in common with the reward models (and, with LoRA on the top
-        # layers only, with the policy) are stored once and run once per batch (ppolm/trunk.py).
-        from ppolm import trunk as trunk_lib
-
-        ref_model = self.reference if self.reference is not None else self.policy
-        self.rm_start = [0] * len(rms)
-        self.policy_start = 0
-        if m.share_trunk:
-            for i, rm in enumerate(rms):
-                k = trunk_lib.shared_prefix(ref_model, rm.model) if self.rm_same_vocab[i] else 0
-                if k:
-                    trunk_lib.alias(ref_model, rm.model, k)
-                    self.rm_start[i] = k
-            if self.reference is None:
-                self.policy_start = trunk_lib.policy_prefix(self.policy)
-            if self.tap is not None and self.critic_from_rm:
-                # the critic's trunk enters a layer the reward model now shares: tap the reference's
-                j = self.critic.total_layers - self.critic.n
-                if j < self.rm_start[0]:
-                    self.tap.layer = critic_lib.stack(ref_model)[1][j]  # type: ignore[index]
-        self.recorder = (trunk_lib.Recorder(ref_model, set(self.rm_start) | {self.policy_start})
-                         if any(self.rm_start) or self.policy_start else None)
-
-        # Optimisers: separate learning rates for actor and critic (Adam eps 1e-5, detail 16)
-        # (with bf16 models, the optimisers step fp32 master copies; ppolm/precision.py)
-        self.actor = precision.MasterWeights(p for p in self.policy.parameters() if p.requires_grad)
-        self.critic_weights = precision.MasterWeights(p for _, p in self.critic_named_parameters())
-        self.actor_params, self.critic_params = self.actor.params, self.critic_weights.params
-        # fused AdamW: one kernel over all parameters, ~4x faster than the per-tensor loop on a CPU
-        adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay, fused=self.device.type in ("cpu", "cuda"))
-        self.actor_opt = torch.optim.AdamW(self.actor_params, lr=a.actor_lr, **adam)
-        self.critic_opt = torch.optim.AdamW(self.critic_params, lr=a.critic_lr, **adam)
-        decay = (lambda s: max(0.0, 1.0 - s / a.steps)) if a.lr_schedule == "linear" else (lambda s: 1.0)
-        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
-        self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, decay)
+        # The four models (ppolm/ppo_models.py): policy, reference, rewarder, critic
+        built = ppo_models.build(cfg, self.tokenizer, model_dir, functions, self.dtype, self.device)
+        self.policy, self.reference, self.rewarder = built.policy, built.reference, built.rewarder
+        self.critic, self.value_head, self.tap, self.value_bias = built.critic, built.value_head, built.tap, \
+            built.value_bias
+        self.critic_from_rm, self.critic_source = built.critic_from_rm, built.critic_source
+        # The frozen models' work on each rollout, with the trunk they share (ppolm/frozen.py)
+        self.frozen = FrozenModels(self.policy, self.reference, self.rewarder, self.tokenizer,
+                                   temperature=cfg.generation.temperature, device=self.device, tap=self.tap,
+                                   critic_from_rm=self.critic_from_rm, share_trunk=m.share_trunk,
+                                   critic_entry=self.critic.total_layers - self.critic.n if self.tap else 0)
+        self.policy_start = self.frozen.policy_start
+        self.build_optimisers()
         k = cfg.kl
         self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon) if k.adaptive_kl
                        else core.FixedKLController(k.kl_coef))
@@ -331,6 +94,44 @@ class PPOTrainer:
         self.consecutive_skips = 0
         self.start_step = 0
         self.warned: set[str] = set()
+
+    def load_data(self, model_dir: Path) -> None:
+        """The training and held-out prompts (checked against the model's context length) and the
+        PPO-ptx corpus."""
+        from transformers import AutoConfig
+
+        from ppolm.data import load_prompts, load_text_corpus
+
+        cfg, m, g = self.cfg, self.cfg.model, self.cfg.generation
+        ctx = getattr(AutoConfig.from_pretrained(model_dir, trust_remote_code=m.trust_remote_code),
+                      "max_position_embeddings", None)
+
+        def prompts(path: str | None) -> list[Any]:
+            return load_prompts(path, self.tokenizer, chat_template=cfg.run.chat_template,
+                                max_length=g.max_prompt_length, context_length=ctx, response_length=g.response_length)
+
+        self.prompts = prompts(cfg.run.prompts)
+        self.eval_prompts = prompts(cfg.run.eval_prompts) if cfg.run.eval_prompts is not None else None
+        self.ptx_ids = None
+        if cfg.algo.ptx_coef > 0:
+            texts = load_text_corpus(cfg.algo.ptx_data)  # type: ignore[arg-type]
+            self.ptx_ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"][:256] for t in texts]
+            self.ptx_ids = [x for x in self.ptx_ids if len(x) >= 2]
+
+    def build_optimisers(self) -> None:
+        """Separate AdamW optimisers and learning rates for actor and critic (Adam eps 1e-5, detail
+        16); with bf16 models they step fp32 master copies (ppolm/runtime.py)."""
+        a = self.cfg.algo
+        self.actor = runtime.MasterWeights(p for p in self.policy.parameters() if p.requires_grad)
+        self.critic_weights = runtime.MasterWeights(p for _, p in self.critic_named_parameters())
+        self.actor_params, self.critic_params = self.actor.params, self.critic_weights.params
+        # fused AdamW: one kernel over all parameters, ~4x faster than the per-tensor loop on a CPU
+        adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay, fused=self.device.type in ("cpu", "cuda"))
+        self.actor_opt = torch.optim.AdamW(self.actor_params, lr=a.actor_lr, **adam)
+        self.critic_opt = torch.optim.AdamW(self.critic_params, lr=a.critic_lr, **adam)
+        decay = (lambda s: max(0.0, 1.0 - s / a.steps)) if a.lr_schedule == "linear" else (lambda s: 1.0)
+        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
+        self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, decay)
 
     # ----------------------------------------------------------------------------------------
     def prompt_batch(self, step: int) -> list[Any]:
@@ -363,78 +164,12 @@ class PPOTrainer:
             v = v + self.value_bias
         return logp, ent, v
 
-    @torch.no_grad()
-    def reference_pass(self, roll: ro.Rollout) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Reference log-probs (B, R) and the hidden states, by layer index, where the reward models
-        and the policy part from the reference's frozen layers (empty when nothing is shared)."""
-        if self.recorder is None:
-            return self.reference_logprobs(roll), {}
-        with self.recorder.record() as found:
-            ref = self.reference_logprobs(roll)
-        if self.policy_start:
-            # The policy runs from the state entering its first adapted layer (forward_train), so its
-            # reference (the adapter disabled) must take the same path: then both compute the same
-            # operations on the same numbers until the first update (KL 0, ratio 1), also in bf16,
-            # where two paths to one result differ by rounding.
-            with self.policy.disable_adapter():
-                ref = ro.logprobs(self.policy, roll, self.cfg.generation.temperature, self.policy_start,
-                                  found[self.policy_start])
-        return ref, found
-
-    @torch.no_grad()
-    def reference_logprobs(self, roll: ro.Rollout) -> torch.Tensor:
-        t = self.cfg.generation.temperature
-        if self.reference is None:  # LoRA: the reference is the policy without its adapter
-            with self.policy.disable_adapter():
-                return ro.logprobs(self.policy, roll, t)
-        return ro.logprobs(self.reference, roll, t)
-
-    @torch.no_grad()
-    def score(self, roll: ro.Rollout, prompts: list[Any], rewarder: Any = None,
-              found: dict[int, torch.Tensor] | None = None
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[str]]:
-        """Score each full prompt+response once; (B,) total plus each source's (B,). ``found``: the
-        reference pass's hidden states, from which reward models sharing its layers start."""
-        rewarder = rewarder or self.rewarder
-        texts = self.tokenizer.batch_decode(roll.response * roll.response_mask + self.pad_id * (1 - roll.response_mask),
-                                            skip_special_tokens=True)
-
-        def rm_scores(rm: Any) -> torch.Tensor:
-            i = rewarder.models.index(rm)
-            if self.rm_same_vocab[i]:
-                k = self.rm_start[i]
-                if found and k in found:
-                    return rm.score_ids(roll.input_ids, roll.attention_mask, k, found[k])
-                return rm.score_ids(roll.input_ids, roll.attention_mask, split=roll.split)
-            full = self.tokenizer.batch_decode(
-                [row[mask.bool()] for row, mask in zip(roll.input_ids, roll.attention_mask)])
-            return rm.score_texts(full)
-
-        keys = sorted({k for p in prompts for k in p.extra})
-        columns = {k: [p.extra.get(k) for p in prompts] for k in keys}
-        total, parts = rewarder.score(model_inputs=rm_scores, prompts=[p.raw for p in prompts],
-                                           completions=texts, columns=columns)
-        return total.to(self.device), parts, texts
-
     def penalise(self, scores: torch.Tensor, roll: ro.Rollout) -> torch.Tensor:
         """The missing-EOS and length penalties on the sources' total (:func:`ppolm.core.penalise_scores`),
         for training and held-out evaluation alike."""
         r = self.cfg.reward
         return core.penalise_scores(scores, roll.ended, roll.lengths, r.missing_eos_penalty, r.length_penalty,
                                     r.length_budget)
-
-    @torch.no_grad()
-    def trunk_hidden(self, roll: ro.Rollout) -> torch.Tensor:
-        """The frozen trunk's hidden state for a top-layers critic when no tapped pass ran this step
-        (e.g. a reward-model weight of zero): one forward of the frozen model under the tap."""
-        from ppolm.models import scalar_forward
-
-        with self.tap.capture():
-            if self.critic_from_rm:
-                scalar_forward(self.rewarder.models[0].model, roll.input_ids, roll.attention_mask, split=roll.split)
-            else:
-                self.reference_logprobs(roll)
-        return self.tap.hidden
 
     def optimizer_step(self) -> bool:
         """Clip and step both optimisers; skip both if any gradient is non-finite."""
@@ -481,41 +216,28 @@ class PPOTrainer:
             roll.share_prefix()  # the prompts' common beginning runs once per pass (ppolm/prefix.py)
         self.policy.train()
         mask = roll.response_mask.float()  # (B, R)
-        _trim()
+        runtime.malloc_trim()
         t_rollout = time.perf_counter()
 
-        # 2. Score: reward models/functions on prompt+response; penalties for no EOS and length.
-        #    (A top-layers critic taps the hidden state of its frozen trunk in steps 2 and 3.)
-        def tapping() -> contextlib.AbstractContextManager:
-            return self.tap.capture() if self.tap is not None else contextlib.nullcontext()
+        # 2. Score and reference: the frozen models' pass (reference log-probs, reward models and
+        #    functions on prompt+response, the critic's tap; ppolm/frozen.py); then the penalties for
+        #    no EOS and length.
+        fo = self.frozen.run(roll, prompts)
+        scores = self.penalise(fo.scores, roll)  # (B,)
 
-        #    The reference pass comes first: reward models (and a LoRA policy) that share its frozen
-        #    lower layers start from the hidden state it recorded (ppolm/trunk.py).
-        if self.tap is not None:
-            self.tap.hidden = None
-        with tapping():
-            ref_logprobs, found = self.reference_pass(roll)  # (B, R)
-        with tapping():
-            scores, parts, texts = self.score(roll, prompts, found=found)  # (B,)
-        scores = self.penalise(scores, roll)
-
-        # 3. The rollout policy's own log-probs and values (the reference's came above). With one
-        #    minibatch per epoch the first epoch's forward pass *is* the rollout pass (ratio 1
-        #    exactly), so it runs once, with grad, and is reused below: no repeated forward pass.
-        entering = found.get(self.policy_start) if self.policy_start else None
-        trunk = None
-        if self.tap is not None:
-            trunk = self.tap.hidden if self.tap.hidden is not None else self.trunk_hidden(roll)
+        # 3. The rollout policy's own log-probs and values. With one minibatch per epoch the first
+        #    epoch's forward pass *is* the rollout pass (ratio 1 exactly), so it runs once, with
+        #    grad, and the update reuses it: no repeated forward pass.
         fused = a.minibatches == 1 and a.grad_accum == 1
-        _trim()
+        runtime.malloc_trim()
         with torch.set_grad_enabled(fused):
-            fused_out = self.forward_train(roll, a.entropy_coef > 0, trunk, entering)
-        old_logprobs, entropy, old_values = (x.detach() for x in fused_out)  # (B, R) each
+            first_pass = self.forward_train(roll, a.entropy_coef > 0, fo.critic_input, fo.policy_entering)
+        old_logprobs, entropy, old_values = (x.detach() for x in first_pass)  # (B, R) each
         t_score = time.perf_counter()
 
         # 4. Per-token KL vs the reference; the score lands on each response's last real token.
         beta = self.kl_ctl.value
-        kl = core.kl_penalty(old_logprobs, ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
+        kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         rewards, non_score = core.shape_rewards(scores, kl, beta if cfg.kl.kl_in == "reward" else 0.0, mask)
         if cfg.kl.kl_in == "loss":
             non_score = -beta * kl
@@ -528,35 +250,77 @@ class PPOTrainer:
         adv_var = core.masked_var(advantages, mask).item() if mask.sum() > 1 else 0.0
         if a.whiten_advantages:
             advantages = core.masked_whiten(advantages, mask)
+        exp = ro.Experience(roll=roll, mask=mask, ref_logprobs=fo.ref_logprobs, old_logprobs=old_logprobs,
+                            entropy=entropy, values=old_values, scores=scores, kl=kl, non_score=non_score,
+                            rewards=rewards, advantages=advantages, returns=returns, critic_input=fo.critic_input,
+                            policy_entering=fo.policy_entering, first_pass=first_pass if fused else None)
+        del first_pass
 
-        # 6. PPO epochs: fresh shuffle each epoch, minibatches, gradient accumulation, clipped losses.
+        # 6. PPO epochs: clipped policy and value losses on shuffled minibatches (skipped, and
+        #    counted, when a reward is not finite).
         finite = bool(torch.isfinite(scores).all())
         if not finite:
-            bad = [k.removeprefix("reward/") for k, v in parts.items() if not torch.isfinite(v).all()] or ["penalties"]
-            self.skip_cause = f"non-finite reward (NaN/inf) from {', '.join(bad)}"
+            bad = [k.removeprefix("reward/") for k, v in fo.parts.items() if not torch.isfinite(v).all()]
+            self.skip_cause = f"non-finite reward (NaN/inf) from {', '.join(bad or ['penalties'])}"
             self.warn_once("reward", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
+        stats, skipped, epochs_done = self.update(exp, beta, step, a.ppo_epochs if finite else 0)
+        skipped += 0 if finite else 1
+        t_train = time.perf_counter()
+
+        # 7. Adapt the KL coefficient once per batch, only after an update (a skipped one leaves the
+        #    policy, hence the KL it is steering, where it was); advance the learning-rate schedules.
+        mean_kl = kl.sum(1).mean().item()
+        if not skipped and math.isfinite(mean_kl):
+            self.kl_ctl.update(mean_kl, 1)  # one PPO update: --kl-horizon counts updates
+        lr, critic_lr = self.actor_sched.get_last_lr()[0], self.critic_sched.get_last_lr()[0]
+        self.actor_sched.step()
+        self.critic_sched.step()
+        self.skipped_total += skipped
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+
+        metrics = ppo_metrics.step_metrics(exp, stats, fo.parts, eos_id=self.eos_id, beta=beta, adv_var=adv_var,
+                                           lr=lr, critic_lr=critic_lr, epochs=epochs_done,
+                                           skipped_total=self.skipped_total,
+                                           times=(t_start, t_rollout, t_score, t_train))
+        samples = []
+        if step % cfg.run.sample_every == 0 or step == a.steps - 1:
+            kl_seq = kl.sum(1)
+            for p, t, s, k, n in zip(prompts, fo.texts, scores.tolist(), kl_seq.tolist(), roll.lengths.tolist()):
+                samples.append({"step": step, "prompt": p.raw, "response": t, "score": s, "kl": k, "length": n})
+        return metrics, samples
+
+    def update(self, exp: ro.Experience, beta: float, step: int, epochs: int
+               ) -> tuple[dict[str, list[float]], int, int]:
+        """PPO's update (step 6): ``epochs`` passes over the batch, a fresh shuffle each, in
+        minibatches of microbatches (gradient accumulation), with the clipped policy and value
+        losses, the KL-in-loss, entropy and PPO-ptx terms when asked, and one optimiser step per
+        minibatch. Returns the per-microbatch statistics, the skipped (non-finite) optimiser steps
+        and the epochs run (``--target-kl`` may stop early)."""
+        cfg, a = self.cfg, self.cfg.algo
         stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "clipfrac", "pg", "vf", "vf_clipfrac",
                                                          "ratio", "ptx")}
         skipped, epochs_done = 0, 0
         gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
-        for _epoch in range(a.ppo_epochs if finite else 0):
+        for _epoch in range(epochs):
             perm = torch.randperm(a.batch_size, generator=gen).to(self.device)
             epoch_kl = []
             for mb in perm.split(cfg.minibatch_size):
                 for micro in mb.split(cfg.microbatch_size):
-                    if fused and _epoch == 0:  # the rollout pass, with grad (rows in minibatch order)
-                        logp, ent, v = (x[micro] for x in fused_out)
+                    if exp.first_pass is not None:  # the rollout pass, with grad (rows in minibatch order)
+                        logp, ent, v = (x[micro] for x in exp.first_pass)
                     else:
-                        logp, ent, v = self.forward_train(roll.select(micro), a.entropy_coef > 0,
-                                                          None if trunk is None else trunk[micro],
-                                                          None if entering is None else entering[micro],
-                                                          want_entropy=a.entropy_coef > 0)
-                    m_ = mask[micro]
-                    pg_loss, pg = core.policy_loss(logp, old_logprobs[micro], advantages[micro], m_, a.clip_eps)
-                    vf_loss, vf = core.value_loss(v, old_values[micro], returns[micro], m_, a.vf_clip)
+                        logp, ent, v = self.forward_train(
+                            exp.roll.select(micro), a.entropy_coef > 0,
+                            None if exp.critic_input is None else exp.critic_input[micro],
+                            None if exp.policy_entering is None else exp.policy_entering[micro],
+                            want_entropy=a.entropy_coef > 0)
+                    m_ = exp.mask[micro]
+                    pg_loss, pg = core.policy_loss(logp, exp.old_logprobs[micro], exp.advantages[micro], m_,
+                                                   a.clip_eps)
+                    vf_loss, vf = core.value_loss(v, exp.values[micro], exp.returns[micro], m_, a.vf_clip)
                     loss = pg_loss
                     if cfg.kl.kl_in == "loss":  # always k3: the k1 gradient ignores the reference
-                        loss = loss + beta * core.kl_loss(logp, ref_logprobs[micro], m_)
+                        loss = loss + beta * core.kl_loss(logp, exp.ref_logprobs[micro], m_)
                     if a.entropy_coef:
                         loss = loss - a.entropy_coef * core.masked_mean(ent, m_)
                     if self.ptx_ids:
@@ -577,70 +341,16 @@ class PPOTrainer:
                     self.skip_cause = "non-finite loss or gradient"
                     self.warn_once("grad", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
             epochs_done += 1
-            fused_out = None  # the first epoch's graph is spent
+            exp.first_pass = None  # the first epoch's graph is spent
             # Early stop for the batch once the policy moved too far from the rollout policy.
             if a.target_kl is not None and sum(epoch_kl) / len(epoch_kl) > a.target_kl:
                 break
-        if not finite:
-            skipped += 1
-        del fused_out
-        t_train = time.perf_counter()
+        exp.first_pass = None
+        return stats, skipped, epochs_done
 
-        # 7. Adapt the KL coefficient once per batch, only after an update (a skipped one leaves the
-        #    policy, hence the KL it is steering, where it was); advance the learning-rate schedules.
-        mean_kl = kl.sum(1).mean().item()
-        if not skipped and math.isfinite(mean_kl):
-            self.kl_ctl.update(mean_kl, 1)  # one PPO update: --kl-horizon counts updates
-        lr, critic_lr = self.actor_sched.get_last_lr()[0], self.critic_sched.get_last_lr()[0]
-        self.actor_sched.step()
-        self.critic_sched.step()
-        self.skipped_total += skipped
-        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
-
-        def avg(xs: list[float]) -> float:
-            return sum(xs) / len(xs) if xs else float("nan")
-
-        metrics = {
-            "objective/kl": mean_kl,
-            "objective/kl_coef": beta,
-            "objective/entropy": (-old_logprobs * mask).sum(1).mean().item(),
-            "objective/scores": scores.mean().item(),
-            "objective/non_score_reward": non_score.sum(1).mean().item(),
-            "objective/rlhf_reward": (scores + non_score.sum(1)).mean().item(),
-            "policy/approxkl_avg": avg(stats["approxkl"]),
-            "policy/clipfrac_avg": avg(stats["clipfrac"]),
-            "policy/entropy_avg": core.masked_mean(entropy, mask).item(),
-            "loss/policy_avg": avg(stats["pg"]),
-            "loss/value_avg": avg(stats["vf"]),
-            "val/clipfrac_avg": avg(stats["vf_clipfrac"]),
-            "val/ratio": avg(stats["ratio"]),
-            "val/vf_explained_var": core.explained_variance(old_values, returns, mask),
-            "val/num_eos_tokens": int((roll.response == self.eos_id).sum()),
-            # |recomputed - sampled| log-prob per token: ~0 in fp32, bf16 rounding of two computation
-            # paths (KV-cache decoding vs one full pass) otherwise; large values mean the rollouts were
-            # not drawn from the distribution PPO optimises
-            "policy/sampler_logprob_gap": core.masked_mean((old_logprobs - roll.sample_logprobs).abs(), mask).item(),
-            "adv/var": adv_var,
-            "response/length_mean": roll.lengths.float().mean().item(),
-            "lr": lr,
-            "lr/critic": critic_lr,
-            "ppo/epochs": epochs_done,
-            "guard/skipped_updates": self.skipped_total,
-            "time/rollout_s": t_rollout - t_start,
-            "time/score_s": t_score - t_rollout,
-            "time/train_s": t_train - t_score,
-            "time/step_s": time.perf_counter() - t_start,
-        }
-        if stats["ptx"]:
-            metrics["loss/ptx_avg"] = avg(stats["ptx"])
-        for name, s in parts.items():
-            metrics[name] = s.float().mean().item()
-        samples = []
-        if step % cfg.run.sample_every == 0 or step == a.steps - 1:
-            kl_seq = kl.sum(1)
-            for p, t, s, k, n in zip(prompts, texts, scores.tolist(), kl_seq.tolist(), roll.lengths.tolist()):
-                samples.append({"step": step, "prompt": p.raw, "response": t, "score": s, "kl": k, "length": n})
-        return metrics, samples
+    def train(self) -> PPOResult:
+        """The whole run (ppolm/ppo_run.py): resume, steps, evaluation, checkpoints, final outputs."""
+        return ppo_run.run(self)
 
     def warn_once(self, key: str, msg: str) -> None:
         if key not in self.warned:
@@ -648,277 +358,12 @@ class PPOTrainer:
             print(f"warning: {msg}", file=sys.stderr)
 
     # ----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self, updates: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """Score the held-out prompts with every training source, the eval-only scorers and the KL
-        to the reference. Sampling uses its own seed (:func:`seeded_rng`) so the training RNG stream,
-        and hence resume, is unaffected. eval/score is objective/scores' definition (the training
-        sources' weighted sum, with the missing-EOS and length penalties); eval/<source> is each raw."""
-        from ppolm.rewards import Rewarder
+        """Held-out evaluation after ``updates`` steps: (metrics, sample rows); see
+        :func:`ppolm.evaluate.during_ppo`."""
+        from ppolm.evaluate import during_ppo
 
-        g, cfg = self.cfg.generation, self.cfg
-        scorer = Rewarder(self.rewarder.models, self.rewarder.functions + self.eval_functions,
-                          model_weight=self.rewarder.model_weight, ensemble_rule=self.rewarder.ensemble_rule)
-        n_train = len(self.rewarder.functions)
-        totals, all_parts, kls, lengths, rows = [], {}, [], [], []
-        self.policy.eval()
-        with seeded_rng(cfg.run.seed + 1_000_003, self.device):
-            for i in range(0, len(self.eval_prompts), cfg.run.eval_batch_size):
-                prompts = self.eval_prompts[i:i + cfg.run.eval_batch_size]
-                roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
-                                   max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
-                                   top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
-                if cfg.model.share_prefix:
-                    roll.share_prefix()
-                ref, found = self.reference_pass(roll)
-                k = self.policy_start
-                logp = ro.logprobs(self.policy, roll, g.temperature, k, found.get(k) if k else None)
-                kl = (core.kl_penalty(logp, ref, cfg.kl.kl_estimator) * roll.response_mask).sum(1)
-                _, parts, texts = self.score(roll, prompts, scorer, found)
-                # the training score excludes the eval-only scorers' weights
-                total = sum((parts[f"reward/{f.name}"] * f.weight for f in scorer.functions[:n_train]),
-                            torch.zeros(len(prompts)))
-                if self.rewarder.models:
-                    total = total + self.rewarder.model_weight * parts[_ensemble_key(self.rewarder)]
-                total = self.penalise(total, roll).cpu()  # as objective/scores; eval/<source> stay raw
-                totals.append(total)
-                for k, v in parts.items():
-                    all_parts.setdefault(k, []).append(v)
-                kls.append(kl.float().cpu())
-                lengths.append(roll.lengths.float().cpu())
-                for j, (p, t) in enumerate(zip(prompts, texts)):
-                    rows.append({"step": updates, "prompt": p.raw, "response": t,
-                                 "scores": {k.removeprefix("reward/"): float(v[j]) for k, v in parts.items()},
-                                 "score": float(total[j]), "kl": float(kl[j])})
-        self.policy.train()
-
-        def mean_se(xs: list[torch.Tensor]) -> tuple[float, float]:
-            x = torch.cat(xs).float()
-            return x.mean().item(), (x.std().item() / math.sqrt(len(x)) if len(x) > 1 else 0.0)
-
-        metrics: dict[str, Any] = {"updates": updates}
-        metrics["eval/score"], metrics["eval/score_se"] = mean_se(totals)
-        for k, v in all_parts.items():
-            name = "eval/" + k.removeprefix("reward/")
-            metrics[name], metrics[name + "_se"] = mean_se(v)
-        metrics["eval/kl"], metrics["eval/kl_se"] = mean_se(kls)
-        metrics["eval/length_mean"] = torch.cat(lengths).mean().item()
-        return metrics, rows
-
-    def maybe_keep_best(self, updates: int, metrics: dict[str, Any]) -> None:
-        """Save the policy to best/ when the chosen eval metric improves (e.g. a gold judge)."""
-        import json
-
-        from ppolm.models import save_pretrained
-
-        name = self.cfg.run.best_metric
-        if name is None:
-            return
-        if name not in metrics:
-            raise PPOLMError(f"--best-metric {name} is not an eval metric; choose one of "
-                             f"{', '.join(k for k in metrics if k.startswith('eval/') and not k.endswith('_se'))}")
-        if metrics[name] > self.best_value:
-            self.best_value = metrics[name]
-            best = self.out / "best"
-            if hasattr(self.policy, "merge_and_unload"):
-                self.policy.save_pretrained(str(best / "policy_adapter"))
-            else:
-                save_pretrained(self.policy, self.tokenizer, best / "policy")
-            (self.out / "best.json").write_text(json.dumps(
-                {"step": updates, "metric": name, "value": metrics[name], "se": metrics.get(name + "_se"),
-                 "kl": metrics["eval/kl"]}, indent=2))
-
-    def run_eval(self, updates: int, tracker: Any) -> None:
-        metrics, rows = self.evaluate(updates)
-        tracker.log_eval(updates, metrics, rows)
-        self.maybe_keep_best(updates, metrics)
-
-    # ----------------------------------------------------------------------------------------
-    def state(self, next_step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors = dict(self.trained_parameters())
-        ta, ma = checkpoint.optimizer_state(self.actor_opt, "actor_opt")
-        tc, mc = checkpoint.optimizer_state(self.critic_opt, "critic_opt")
-        tr, mr = checkpoint.rng_state()
-        tensors.update(ta | tc | tr)
-        meta = {"next_step": next_step, "kl_ctl": self.kl_ctl.state_dict(), "actor_opt": ma, "critic_opt": mc,
-                "actor_sched": self.actor_sched.state_dict(), "critic_sched": self.critic_sched.state_dict(),
-                "rng": mr, "skipped_total": self.skipped_total, "consecutive_skips": self.consecutive_skips}
-        return tensors, meta
-
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for n, p in self.trained_parameters():
-                p.copy_(tensors[n])
-        self.actor.copy_to_model()
-        self.critic_weights.copy_to_model()
-        checkpoint.load_optimizer_state(self.actor_opt, "actor_opt", tensors, meta["actor_opt"])
-        checkpoint.load_optimizer_state(self.critic_opt, "critic_opt", tensors, meta["critic_opt"])
-        self.actor_sched.load_state_dict(meta["actor_sched"])
-        self.critic_sched.load_state_dict(meta["critic_sched"])
-        self.kl_ctl.load_state_dict(meta["kl_ctl"])
-        self.skipped_total, self.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
-        checkpoint.set_rng_state(tensors, meta["rng"])
-        self.start_step = meta["next_step"]
-
-    def save_checkpoint(self, next_step: int) -> None:
-        tensors, meta = self.state(next_step)
-        checkpoint.save(self.out / "checkpoints", next_step, tensors, meta, self.cfg.run.keep_last)
-
-    def save_outputs(self) -> None:
-        """policy/ and critic/ in Hugging Face format (safetensors), loadable by plain transformers."""
-        from ppolm.models import save_pretrained
-
-        bad = checkpoint.first_non_finite(self.trained_parameters())
-        if bad:
-            raise PPOLMError(f"non-finite weights in {bad}; not saving them (see metrics.jsonl guard/*)")
-        # bf16 models are saved in fp32, with the trained weights from their fp32 masters
-        self.actor.to_fp32_model()
-        self.critic_weights.to_fp32_model()
-        self.policy.float()
-        if self.critic is not None:
-            self.critic.float()
-        policy = self.policy
-        # each output directory is written beside its final name, then swapped in (a full disk leaves
-        # the previous one, and the checkpoints, intact)
-        if hasattr(policy, "merge_and_unload"):  # LoRA: save the adapter, and the merged model in policy/
-            with checkpoint.atomic_dir(self.out / "policy_adapter") as tmp:
-                policy.save_pretrained(str(tmp))
-            policy = policy.merge_and_unload()
-            self.policy = policy
-        with checkpoint.atomic_dir(self.out / "policy") as tmp:
-            save_pretrained(policy, self.tokenizer, tmp)
-        with checkpoint.atomic_dir(self.out / "critic") as tmp:
-            if self.tap is not None:  # top layers on a frozen trunk: saved as one whole model
-                src, _ = self.critic_source
-                m = self.cfg.model
-                full = self.critic.full_model(src, dtype=torch.float32, device="cpu",
-                                              trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
-                save_pretrained(full, self.tokenizer, tmp)
-                del full
-            elif self.critic is not None:
-                save_pretrained(self.critic, self.tokenizer, tmp)
-            else:
-                from safetensors.torch import save_file
-
-                save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()},
-                          str(tmp / "value_head.safetensors"))
-            if self.value_bias is not None:  # value = head output + bias (the RM's normalisation, trained on)
-                import json
-
-                (tmp / "ppolm_value.json").write_text(json.dumps({"bias": float(self.value_bias.detach())}, indent=2))
-
-    # ----------------------------------------------------------------------------------------
-    def train(self) -> PPOResult:
-        from ppolm import tracking
-
-        cfg = self.cfg
-        # a skipped (non-finite) update still advances the schedules, on purpose: resume-exact
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        if cfg.run.resume:
-            found = checkpoint.load_latest(self.out / "checkpoints")
-            if found:
-                path, tensors, meta = found
-                try:
-                    self.load_state(tensors, meta)
-                except (KeyError, RuntimeError, ValueError, TypeError) as e:
-                    raise PPOLMError(f"checkpoint {path} does not match this model or version "
-                                     f"({type(e).__name__}: {str(e)[:120]}); resume with the same --model, "
-                                     "or start again with --overwrite") from None
-                print(f"resuming from {path} (step {self.start_step})", file=sys.stderr)
-            else:
-                print(f"no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
-        evaluating = self.eval_prompts is not None
-        stop = {"requested": False}
-
-        def on_signal(signum: int, frame: Any) -> None:
-            if stop["requested"]:
-                raise KeyboardInterrupt
-            stop["requested"] = True
-            print("\nstopping after this step to save a checkpoint (Ctrl-C again to abort without saving)",
-                  file=sys.stderr)
-
-        old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
-            if _main_thread() else {}
-        try:
-            # The first eval and step run before anything is written: a reward function that raises
-            # or returns garbage fails with the output directory exactly as it was.
-            t_begin = time.perf_counter()
-            print(f"{'evaluating, then ' if evaluating and self.start_step == 0 else ''}running step "
-                  f"{self.start_step + 1}/{cfg.algo.steps} (the progress bar starts after it)", file=sys.stderr)
-            first_eval = self.evaluate(0) if evaluating and self.start_step == 0 else None
-            first = self.step(self.start_step) if self.start_step < cfg.algo.steps else None
-            prepare_output_dir(self.out, cfg, commit=True)
-            config.save_yaml(cfg, self.out / "config.yaml")
-            for f in ("metrics.jsonl", "samples.jsonl"):
-                tracking.truncate_rows(self.out / f, self.start_step)
-            for f in ("eval.jsonl", "eval_samples.jsonl"):  # keyed by updates done: the start's eval is kept
-                tracking.truncate_rows(self.out / f, self.start_step + 1)
-        except OSError as e:
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            raise checkpoint.disk_error(e, self.out) from None
-        except BaseException:
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            raise
-        if cfg.run.best_metric and (self.out / "best.json").exists():
-            import json
-
-            self.best_value = json.loads((self.out / "best.json").read_text())["value"]
-
-        tracker = None
-        step = self.start_step
-        try:
-            tracker = tracking.Tracker(self.out, cfg.algo.steps, self.start_step, cfg.run.quiet, t0=t_begin)
-            # the debugging checklist's alarms, live (ppolm/alarms.py): warned once, marked in metrics.jsonl
-            live_alarms = alarms.LiveAlarms(kl_target=cfg.kl.kl_target if cfg.kl.adaptive_kl else None,
-                                            emit=tracker.warn,
-                                            rows=tracking.read_jsonl(self.out / "metrics.jsonl"))
-            if first_eval is not None:
-                tracker.log_eval(0, *first_eval)
-                self.maybe_keep_best(0, first_eval[0])
-            for step in range(self.start_step, cfg.algo.steps):
-                metrics, samples = first if step == self.start_step else self.step(step)
-                first = None
-                metrics.update(live_alarms(step, metrics))
-                tracker.log(step, metrics)
-                if samples:
-                    tracker.samples(samples)
-                last = step + 1 == cfg.algo.steps
-                # a run that ends having skipped every update trained nothing: the same error, sooner
-                if self.consecutive_skips >= cfg.run.max_skipped_updates or (last and self.consecutive_skips > step):
-                    cause = getattr(self, "skip_cause", "non-finite values")
-                    raise PPOLMError(f"{self.consecutive_skips} consecutive updates skipped (last at step {step}: "
-                                     f"{cause}); fix the reward or lower --actor-lr, then continue from the last "
-                                     "checkpoint with --resume")
-                bad = checkpoint.first_non_finite(self.trained_parameters())
-                if bad:
-                    raise PPOLMError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "
-                                     "Lower --actor-lr/--critic-lr and continue from the last checkpoint with "
-                                     "--resume")
-                if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
-                    self.run_eval(step + 1, tracker)
-                if (step + 1) % cfg.run.save_every == 0 or last or stop["requested"]:
-                    self.save_checkpoint(step + 1)
-                if stop["requested"] and not last:
-                    break
-        except OSError as e:
-            raise checkpoint.disk_error(e, self.out) from None
-        finally:
-            if tracker is not None:
-                tracker.close()
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-        interrupted = stop["requested"] and step + 1 < cfg.algo.steps
-        if interrupted:
-            print(f"interrupted after step {step + 1}; checkpoint saved. Continue with the same command "
-                  "plus --resume", file=sys.stderr)
-        else:
-            try:
-                self.save_outputs()
-            except OSError as e:
-                raise checkpoint.disk_error(e, self.out, "the final policy/critic") from None
-        return PPOResult(self.out, tracking.read_jsonl(self.out / "metrics.jsonl"), interrupted)
+        return during_ppo(self, updates)
 
     def trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of everything trained: the policy and the critic or value head; with bf16
@@ -934,38 +379,6 @@ class PPOTrainer:
         named = [(n, p) for n, p in mod.named_parameters() if p.requires_grad]
         return named + ([("value_bias", self.value_bias)] if self.value_bias is not None else [])
 
-
-def _ensemble_key(rewarder: Any) -> str:
-    """The parts key holding the (ensembled) reward-model score."""
-    if len(rewarder.models) == 1:
-        return f"reward/{rewarder.models[0].name}"
-    return f"reward/ensemble_{rewarder.ensemble_rule}"
-
-
-def _trim() -> None:
-    """Hand memory freed by the last stage (KV cache, frozen models' activations) back to the OS
-    before the training pass, so the peak is not the sum of both (glibc only; ~80 MB on the peer work)."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim  # noqa: B018  (raises AttributeError off glibc)
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC: Any = None
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")

@@ -18,7 +18,7 @@ float rounding (the same operations on the same numbers, summed in another order
 Forward pre-hooks (the trunk :class:`ppolm.trunk.Recorder`, the critic's tap) fire once per pass;
 :func:`captured` stitches the two captures back into the (B, T, d) layout.
 
-Used for the backbones of :data:`ppolm.trunk.SUPPORTED` with a Hugging Face ``DynamicCache``; other
+Used for the backbones of :data:`SUPPORTED` with a Hugging Face ``DynamicCache``; other
 models run the plain forward. ``--share-prefix false`` turns it off.
 """
 
@@ -28,6 +28,13 @@ import contextvars
 from dataclasses import dataclass, field
 
 import torch
+
+from ppolm import models
+
+# Backbones that ppolm runs in pieces: their forward feeds ``inputs_embeds`` to the first layer as
+# they are (so a recorded hidden state can be injected there, ppolm/trunk.py; Gemma, for one,
+# scales them by sqrt(d) first) and continues from a ``DynamicCache`` (this module).
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3"}
 
 MIN_SHARED = 8
 """Shorter common beginnings are not worth a second pass (a pass has a fixed cost per layer)."""
@@ -48,6 +55,14 @@ class PrefixSplit:
 
     def select(self, idx: torch.Tensor) -> PrefixSplit:
         return PrefixSplit(self.length, self.perm[idx], self.inv[idx])
+
+    def usable(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` can run this split (:func:`usable`)."""
+        return usable(model)
+
+    def forward(self, backbone: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The backbone's last hidden state over ``ids`` with this split (:func:`forward`)."""
+        return forward(backbone, ids, mask, self)
 
     def stitch(self, shared: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
         """(1, c, ...) shared + (B, T - c, ...) rest, in [shared | rest] order -> (B, T, ...) original layout."""
@@ -91,13 +106,11 @@ def run(module: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, split: P
     (B, T): the shared beginning once (batch 1), then every row's rest attending to it through the
     key/value cache. Returns both outputs and the attention mask and position ids of the
     [shared | rest] layout (B, T), which a decode loop continues from."""
-    from ppolm.models import position_ids_from_mask
-
     c = split.length
     b = ids.shape[0]
     rest_mask = mask.gather(1, split.perm[:, c:])
     full_mask = torch.cat([torch.ones(b, c, dtype=mask.dtype, device=mask.device), rest_mask], dim=1)
-    pos = position_ids_from_mask(full_mask)
+    pos = models.position_ids_from_mask(full_mask)
     token = _ACTIVE.set(split)
     try:
         split.stage = "shared"
@@ -136,7 +149,5 @@ def captured(key: int, x: torch.Tensor) -> torch.Tensor | None:
 
 def usable(model: torch.nn.Module) -> bool:
     """Whether ``model``'s backbone takes a key/value cache as :func:`forward` needs (supported types)."""
-    from ppolm import models, trunk
-
-    return getattr(models._unwrap(model).config, "model_type", None) in trunk.SUPPORTED
+    return getattr(models._unwrap(model).config, "model_type", None) in SUPPORTED
 

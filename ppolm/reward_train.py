@@ -25,8 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from ppolm import core, models
-from ppolm import sft as common  # the training helpers SFT and reward training share
+from ppolm import core, models, runtime, sft, trainloop
 from ppolm.errors import PPOLMError
 
 
@@ -114,7 +113,7 @@ class RewardTrainConfig:
     """Accept pickle-based weights (.bin/.pt), which can run arbitrary code when loaded."""
 
     def validate(self) -> None:
-        common.check_common(self)
+        trainloop.check_common(self)
         if self.center_coef < 0 or self.norm_samples < 2 or self.norm_response_length < 1:
             raise PPOLMError("--center-coef must be >= 0, --norm-samples >= 2 and --norm-response-length >= 1")
         if self.norm_temperature <= 0:
@@ -201,8 +200,8 @@ def encode_pairs_with_prompts(pairs: list[Pair], tok: Any, chat_template: bool, 
     for i, p in enumerate(pairs, start=1):
         p_ids = encode_prompt(p.prompt, tok, chat_template)
         where = f"{path} row {i}"
-        out.append((len(p_ids), common.encode_response(p_ids, p.chosen, tok, max_length, where),
-                    common.encode_response(p_ids, p.rejected, tok, max_length, where), p.margin))
+        out.append((len(p_ids), sft.encode_response(p_ids, p.chosen, tok, max_length, where),
+                    sft.encode_response(p_ids, p.rejected, tok, max_length, where), p.margin))
     return out
 
 
@@ -286,7 +285,7 @@ class TrunkCache:
                 ids, mask = left_pad([list(x) for x in chunk], pad_id, device)
                 # texts of one chat template begin alike: that beginning runs once (ppolm/prefix.py)
                 split = prefix.find(ids, mask, ids.shape[1]) if prefix.usable(model) else None
-                with common.autocast(device, precision), (tap.capture() if tap else contextlib.nullcontext()):
+                with trainloop.autocast(device, precision), (tap.capture() if tap else contextlib.nullcontext()):
                     if split is not None:
                         out = prefix.forward(backbone, ids, mask, split)
                     else:
@@ -314,14 +313,14 @@ class TrunkCache:
         hs = [self.hidden[tuple(x)] for x in seqs]
         head = self.model.score
         if not self.n:
-            with common.autocast(self.device, self.precision):
+            with trainloop.autocast(self.device, self.precision):
                 return models.scalar_head(head, torch.cat(hs))
         width = max(len(h) for h in hs)
         h = hs[0].new_zeros((len(hs), width, hs[0].shape[-1]))
         mask = torch.zeros((len(hs), width), dtype=torch.long, device=self.device)
         for i, x in enumerate(hs):
             h[i, width - len(x):], mask[i, width - len(x):] = x, 1
-        with common.autocast(self.device, self.precision):
+        with trainloop.autocast(self.device, self.precision):
             out = trunk.run_from(self.model, self.split, h.to(head.weight.dtype), mask)
             return models.scalar_head(head, out[:, -1])
 
@@ -336,14 +335,14 @@ def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
 
 def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     from ppolm import checkpoint, models
-    from ppolm.ppo import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
+    from ppolm.runtime import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
 
     refuse_data_parallel()
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # 'auto' -> bf16|fp32
-    common.prepare_output_dir(out, cfg, "reward_config.yaml")  # checks only: nothing changes before the inputs load
+    runtime.prepare_output_dir(out, cfg, "reward_config.yaml")  # checks only: nothing changes before the inputs load
     seed_everything(cfg.seed)
     tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     pairs = load_pairs(cfg.data, cfg.margin_column)  # type: ignore[arg-type]
@@ -353,7 +352,7 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         held = encode_pairs(load_pairs(cfg.eval_data, cfg.margin_column), tok, cfg.chat_template, cfg.max_length,
                             cfg.eval_data)
     else:
-        both, held_both = common.split_rows(list(zip(train, keys)), cfg.eval_fraction, cfg.seed)
+        both, held_both = trainloop.split_rows(list(zip(train, keys)), cfg.eval_fraction, cfg.seed)
         train, keys = [x for x, _ in both], [k for _, k in both]
         held = [x for x, _ in held_both]
     if not train:
@@ -362,13 +361,13 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     model = models.load_scalar_model(cfg.model, head_init="reward", dtype=torch.float32, device=device,
                                      tokenizer=tok, trust_remote_code=cfg.trust_remote_code,
                                      allow_pickle=cfg.allow_pickle)
-    model = common.apply_lora(model, cfg, "SEQ_CLS") if cfg.lora_r > 0 else model
+    model = trainloop.apply_lora(model, cfg, "SEQ_CLS") if cfg.lora_r > 0 else model
     if cfg.lora_r == 0:
         freeze_lower_layers(model, cfg.train_layers)
     params = [p for p in model.parameters() if p.requires_grad]
-    common.prepare_output_dir(out, cfg, "reward_config.yaml", commit=True)
+    runtime.prepare_output_dir(out, cfg, "reward_config.yaml", commit=True)
     try:
-        common.write_config(cfg, out / "reward_config.yaml")
+        runtime.write_config(cfg, out / "reward_config.yaml")
     except OSError as e:
         raise checkpoint.disk_error(e, out) from None
     # training items: pairs, or with --group-by-prompt each prompt's pairs (in order of first appearance)
@@ -377,7 +376,7 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         groups.setdefault(k, []).append(i)
     items = list(groups.values()) if cfg.group_by_prompt else [[i] for i in range(len(train))]
     steps_per_epoch = math.ceil(len(items) / cfg.batch_size)
-    opt, sched = common.make_optimizer(params, cfg, steps_per_epoch * cfg.epochs)
+    opt, sched = trainloop.make_optimizer(params, cfg, steps_per_epoch * cfg.epochs)
     pad = tok.pad_token_id
     cache = None
     every = [x for c, r, _ in train + held for x in (c, r)]
@@ -393,7 +392,7 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     def scores(seqs: list[list[int]]) -> torch.Tensor:
         if cache is not None:
             return cache.scores(seqs)
-        with common.autocast(device, cfg.precision):
+        with trainloop.autocast(device, cfg.precision):
             return score_seqs(model, seqs, pad, device)
 
     last_eval: dict[str, Any] = {}
@@ -438,12 +437,12 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         return held_out({"epoch": epoch, "train_loss": acc["loss_sum"] / acc["loss_n"] if acc["loss_n"] else None,
                          "train_accuracy": acc.get("correct", 0) / len(train)})
 
-    loop = common.TrainLoop(cfg, out, model, opt, sched, len(items), "reward", step_fn, epoch_row,
+    loop = trainloop.TrainLoop(cfg, out, model, opt, sched, len(items), "reward", step_fn, epoch_row,
                             lambda: held_out({"epoch": 0}) if held else None)
     if not loop.run():
         return loop.rows, False
     rows = loop.rows
-    common.save_model(model, tok, out, merge=True)
+    sft.save_model(model, tok, out, merge=True)
     if held:
         # the final model's raw scores of every held-out pair, in the order of --eval-data (or of the
         # held-out split): which pairs it gets wrong, and how sure it is
@@ -533,8 +532,8 @@ def normalize_reward_model(rm_dir: str | Path, policy: str, prompts: str | list[
                            batch_size: int = 8) -> tuple[float, float]:
     """Fit score = gain * raw + bias to mean 0, std 1 over :func:`reference_scores` of ``policy``;
     write them to ``rm_dir/ppolm_reward.json`` (read by every later scorer) and return (gain, bias)."""
-    from ppolm.ppo import resolve_device, resolve_precision
     from ppolm.rewards import RewardModel, write_norm
+    from ppolm.runtime import resolve_device, resolve_precision
 
     dev = resolve_device(device)
     precision = resolve_precision(precision, dev)

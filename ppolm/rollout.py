@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ppolm import core
-from ppolm.models import head_weight_fp32, output_logits, position_ids_from_mask
+from ppolm import core, prefix, trunk
+from ppolm.models import head_weight_fp32, output_logits, position_ids_from_mask, scalar_forward
 from ppolm.prefix import PrefixSplit
 
 
@@ -58,10 +58,47 @@ class Rollout:
 
     def share_prefix(self) -> Rollout:
         """Find the common beginning of the prompts, for the forward passes over this rollout."""
-        from ppolm import prefix
-
         self.split = prefix.find(self.query, self.query_mask, self.query.shape[1] + self.response.shape[1])
         return self
+
+
+@dataclass
+class Experience:
+    """One batch of PPO experience: a rollout and everything computed on it before the update
+    (B rows, R response columns; P + R columns in all). Built by :meth:`ppolm.ppo.PPOTrainer.step`
+    (steps 1-5) and read by its update (step 6)."""
+
+    roll: Rollout
+    """The sampled batch."""
+    mask: torch.Tensor
+    """(B, R) float: 1 on real response tokens (the EOS included), 0 on padding."""
+    ref_logprobs: torch.Tensor
+    """(B, R) the frozen reference's log-probs of the sampled tokens."""
+    old_logprobs: torch.Tensor
+    """(B, R) the rollout policy's log-probs (PPO's importance-ratio denominator)."""
+    entropy: torch.Tensor | None
+    """(B, R) the rollout policy's entropy per token (for the metric), or None."""
+    values: torch.Tensor
+    """(B, R) the critic's values before each response token, 0 on padding."""
+    scores: torch.Tensor
+    """(B,) the reward: the sources' total with the missing-EOS and length penalties."""
+    kl: torch.Tensor
+    """(B, R) per-token KL estimate to the reference, 0 on padding."""
+    non_score: torch.Tensor
+    """(B, R) the KL part of the reward (-beta * kl), whether it enters the reward or the loss."""
+    rewards: torch.Tensor
+    """(B, R) per-token rewards: -beta * kl, plus the score on each response's last real token."""
+    advantages: torch.Tensor
+    """(B, R) GAE advantages (whitened over the batch when asked)."""
+    returns: torch.Tensor
+    """(B, R) value targets: the unwhitened advantages plus the values."""
+    critic_input: torch.Tensor | None = None
+    """(B, P + R, d) the frozen trunk's hidden state that feeds a top-layers critic, or None."""
+    policy_entering: torch.Tensor | None = None
+    """(B, P + R, d) the state entering a LoRA policy's first adapted layer, or None."""
+    first_pass: tuple[torch.Tensor, ...] | None = None
+    """(log-probs, entropy, values) of the rollout pass still holding its graph (one minibatch per
+    epoch: the first epoch reuses it), or None. The update drops it after the first epoch."""
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,8 +198,6 @@ def _decode(policy: torch.nn.Module, query: torch.Tensor, query_mask: torch.Tens
             share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, N) sampled ids, N <= max_new_tokens, PAD after a row's EOS; and (B, N) their log-probs
     under logits / temperature."""
-    from ppolm import prefix
-
     b = query.shape[0]
     trunk = backbone(policy)
     head_w = head_weight_fp32(policy)  # fp32 once per rollout, not once per token
@@ -235,12 +270,8 @@ def response_hidden(model: torch.nn.Module, roll: Rollout, start: int = 0,
     (ppolm/trunk.py), only layers ``start ..`` run. With ``roll.split``, the prompts' common
     beginning runs once (ppolm/prefix.py).
     """
-    from ppolm import prefix
-
     ids, mask = roll.input_ids, roll.attention_mask
     if entering is not None:
-        from ppolm import trunk
-
         hidden = trunk.run_from(model, start, entering, mask)
     elif roll.split is not None and prefix.usable(model):
         hidden = prefix.forward(backbone(model), ids, mask, roll.split)
@@ -264,15 +295,6 @@ def tempered_logits(model: torch.nn.Module, hidden: torch.Tensor, temperature: f
     return logits.view(b, r, -1)
 
 
-def logprobs_and_entropy(model: torch.nn.Module, roll: Rollout, temperature: float,
-                         hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of the sampled response under ``model`` (logits / temperature) and the
-    entropy of that tempered distribution; each (B, R), float32."""
-    h = response_hidden(model, roll) if hidden is None else hidden
-    logits = tempered_logits(model, h, temperature)  # (B, R, V)
-    return core.logprobs_from_logits(logits, roll.response), core.entropy_from_logits(logits)
-
-
 def logprobs(model: torch.nn.Module, roll: Rollout, temperature: float, start: int = 0,
              entering: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token log-probs only (B, R): for the frozen reference (and the policy in evaluation).
@@ -283,13 +305,6 @@ def logprobs(model: torch.nn.Module, roll: Rollout, temperature: float, start: i
 
 def values(critic: torch.nn.Module, roll: Rollout) -> torch.Tensor:
     """Critic values V(s_t) at the state before each response token: (B, R), float32."""
-    from ppolm.models import scalar_forward
-
     v = scalar_forward(critic, roll.input_ids, roll.attention_mask, split=roll.split)  # (B, P + R)
     p, r = roll.query.shape[1], roll.response.shape[1]
     return v[:, p - 1:p - 1 + r].float()
-
-
-def last_token_positions(roll: Rollout) -> torch.Tensor:
-    """(B,) column of each row's last real token in ``input_ids`` (where the reward is read)."""
-    return roll.query.shape[1] + roll.lengths - 1

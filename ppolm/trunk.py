@@ -32,10 +32,7 @@ from typing import Any
 import torch
 
 from ppolm import critic, models, prefix
-
-# backbones whose forward feeds inputs_embeds to the first layer as they are (Gemma, for one,
-# scales them by sqrt(d) first, so a hidden state cannot be injected there)
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3"}
+from ppolm.prefix import SUPPORTED
 
 
 def supported(model: torch.nn.Module) -> bool:

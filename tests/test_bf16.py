@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppolm import config, core, models, precision
+from ppolm import config, core, models, runtime
 from ppolm import rollout as ro
 from ppolm.ppo import PPOTrainer
 from ppolm.ppo_config import PPOConfig
@@ -72,7 +72,7 @@ def test_master_weights_accumulate_updates_below_bf16_resolution():
     # bf16 has 8 significant bits: 1 + 1e-3 rounds back to 1. A hundred such steps on the fp32
     # master move it to 1.1, and the bf16 weight follows (1.1 in bf16 is 1.1015625).
     w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
-    mw = precision.MasterWeights([w])
+    mw = runtime.MasterWeights([w])
     assert mw.params[0].dtype == torch.float32 and mw.params[0] is not w
     opt = torch.optim.SGD(mw.params, lr=1e-3)
     for _ in range(100):
@@ -92,14 +92,14 @@ def test_master_weights_accumulate_updates_below_bf16_resolution():
 
 def test_master_weights_accumulate_gradients_in_fp32():
     w = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
-    mw = precision.MasterWeights([w])
+    mw = runtime.MasterWeights([w])
     for g in (1.0, 1e-3, 1e-3):  # in bf16, 1 + 1e-3 + 1e-3 stays 1
         (w.float() * g).sum().backward()
         mw.grads_to_master()
     small = torch.tensor(1e-3, dtype=torch.bfloat16).item()  # each gradient arrives in bf16: 0.00099945...
     assert mw.params[0].grad.item() == 1 + 2 * small
     f32 = torch.nn.Parameter(torch.zeros(1))
-    assert precision.MasterWeights([f32]).params[0] is f32  # fp32 weights are their own master
+    assert runtime.MasterWeights([f32]).params[0] is f32  # fp32 weights are their own master
 
 
 def test_bf16_run_saves_fp32_weights_from_the_masters(tiny_policy_dir, tmp_path, one_thread):
@@ -115,15 +115,15 @@ def test_bf16_run_saves_fp32_weights_from_the_masters(tiny_policy_dir, tmp_path,
 
 
 def test_auto_precision_says_what_it_picked_and_why(capsys):
-    ok, why = precision.native_bf16(torch.device("cpu"))
+    ok, why = runtime.native_bf16(torch.device("cpu"))
     flags = open("/proc/cpuinfo").read().split()
     assert ok == ("avx512_bf16" in flags or "amx_bf16" in flags)
-    precision._SAID.clear()
-    chosen = precision.resolve_precision("auto", torch.device("cpu"))
+    runtime._SAID.clear()
+    chosen = runtime.resolve_precision("auto", torch.device("cpu"))
     assert chosen == ("bf16" if ok else "fp32")
     err = capsys.readouterr().err
     assert f"precision: {chosen} on cpu (auto: " in err and why in err
-    assert precision.resolve_precision("fp32", torch.device("cpu")) == "fp32"
+    assert runtime.resolve_precision("fp32", torch.device("cpu")) == "fp32"
     assert "(as asked)" in capsys.readouterr().err
 
 

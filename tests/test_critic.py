@@ -127,7 +127,7 @@ def test_ppo_critic_from_policy_taps_the_reference(deep_dirs, tmp_path, lora_r):
     roll = batch(trainer.tokenizer)
     trainer.tap.hidden = None
     with trainer.tap.capture():
-        trainer.reference_logprobs(roll)
+        trainer.frozen.reference_logprobs(roll)
     fresh = models.load_causal_lm(policy)
     want = {}
     fresh.model.layers[2].register_forward_pre_hook(lambda m, a: want.setdefault("h", a[0]))
@@ -160,11 +160,11 @@ def test_critic_starts_as_the_normalised_reward_model(deep_dirs, tmp_path, criti
     with torch.no_grad():
         want = trainer.rewarder.models[0].score_ids(roll.input_ids, roll.attention_mask)
         if trainer.tap is not None:  # values at every position (B, P + R)
-            values = trainer.critic(trainer.trunk_hidden(roll), roll.attention_mask)
+            values = trainer.critic(trainer.frozen.trunk_hidden(roll), roll.attention_mask)
         else:
             values = models.scalar_forward(trainer.critic, roll.input_ids, roll.attention_mask)
         values = values + trainer.value_bias
-        _, _, window = trainer.forward_train(roll, False, trainer.trunk_hidden(roll) if trainer.tap else None)
+        _, _, window = trainer.forward_train(roll, False, trainer.frozen.trunk_hidden(roll) if trainer.tap else None)
     last = roll.query.shape[1] + roll.lengths - 1  # the last real token, where the RM reads its score
     assert torch.allclose(values.gather(1, last[:, None]).squeeze(1), want, atol=1e-5)
     p, r = roll.query.shape[1], roll.response.shape[1]

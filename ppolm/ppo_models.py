@@ -1,0 +1,109 @@
+"""PPO's four models, built in one place: policy (trained), reference (frozen), rewarder (frozen
+reward models and/or functions) and critic (trained value model).
+
+The order of construction is part of a run's reproducibility (LoRA factors and a value head draw
+their initial weights from the seeded generator), so :func:`build` always builds them in the
+order policy, reference, reward models, critic.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppolm import models
+from ppolm.ppo_config import PPOConfig
+
+
+@dataclass
+class PPOModels:
+    policy: torch.nn.Module
+    """The trained policy (a peft model with LoRA)."""
+    reference: torch.nn.Module | None
+    """The frozen reference policy; None with LoRA, where it is the policy with its adapter disabled."""
+    rewarder: Any
+    """A :class:`ppolm.rewards.Rewarder`: frozen reward models and/or reward functions."""
+    critic: torch.nn.Module | None = None
+    """A separate value model: a :class:`ppolm.critic.TrunkCritic` (its top layers on a frozen trunk,
+    read by ``tap``) or a whole scalar model; None with ``--critic shared``."""
+    value_head: torch.nn.Linear | None = None
+    """``--critic shared``: a zero-initialised value head on the policy's trunk."""
+    tap: Any = None
+    """The :class:`ppolm.critic.Tap` feeding a TrunkCritic its frozen trunk's hidden state, or None."""
+    critic_from_rm: bool = False
+    """The critic starts from the (first) reward model, not from the policy."""
+    critic_source: tuple[Path | str, str] | None = None
+    """(model directory, head init) the separate critic was loaded from."""
+    value_bias: torch.nn.Parameter | None = None
+    """The critic's share of the reward model's normalisation (value = head + bias), trained on."""
+
+
+def build(cfg: PPOConfig, tokenizer: Any, model_dir: Path, functions: list[Any], dtype: torch.dtype,
+          device: torch.device) -> PPOModels:
+    """Load and set up the four models of ``cfg`` (``functions``: the loaded reward functions)."""
+    from ppolm.rewards import Rewarder, RewardModel
+
+    m = cfg.model
+    load = dict(dtype=dtype, device=device, trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
+    # 1. policy (trained) and 2. reference (frozen)
+    policy = models.load_causal_lm(m.model, **load)
+    models.check_output_path(policy)
+    reference = None
+    if m.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        targets: Any = m.lora_target if m.lora_target == "all-linear" else m.lora_target.split(",")
+        policy = get_peft_model(policy, LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=0.0,
+                                                   target_modules=targets, task_type="CAUSAL_LM"))
+    else:
+        reference = models.load_causal_lm(m.model, **load).requires_grad_(False)
+    policy.train()  # dropout is already 0 in every model; train() only matters to peft
+
+    # 3. reward: frozen reward models and/or functions
+    rms = [RewardModel(p, **load) for p in cfg.reward.reward_model]
+    rewarder = Rewarder(rms, functions, model_weight=cfg.reward.reward_model_weight,
+                        ensemble_rule=cfg.reward.reward_ensemble)
+    built = PPOModels(policy, reference, rewarder)
+    build_critic(built, cfg, tokenizer, model_dir, load)
+    return built
+
+
+def build_critic(built: PPOModels, cfg: PPOConfig, tokenizer: Any, model_dir: Path, load: dict[str, Any]) -> None:
+    """4. critic: a separate model (from the RM or the policy), by default only its top layers
+    trained on the frozen trunk they share with that model (ppolm/critic.py); or a value head on
+    the policy's trunk. Sets the critic fields of ``built``."""
+    from ppolm import critic as critic_lib
+
+    m, rms, device = cfg.model, built.rewarder.models, load["device"]
+    if m.critic == "shared":
+        d = built.policy.config.hidden_size
+        built.value_head = torch.nn.Linear(d, 1).to(device)
+        torch.nn.init.zeros_(built.value_head.weight)
+        torch.nn.init.zeros_(built.value_head.bias)
+        return
+    from_rm = bool(m.critic_init == "reward" and rms)
+    if from_rm and rms[0].tokenizer.get_vocab() != tokenizer.get_vocab():
+        print(f"the reward model {rms[0].name} has its own tokenizer: the critic starts from the policy",
+              file=sys.stderr)
+        from_rm = False
+    built.critic_from_rm = from_rm
+    head = "keep" if from_rm and not m.critic_zero_head else "value"  # "value": a zero head
+    source = built.critic_source = (rms[0].dir if from_rm else model_dir, head)
+    frozen = rms[0].model if from_rm else (built.reference if built.reference is not None else built.policy)
+    found = critic_lib.build(source[0], frozen, m.critic_layers, head_init=source[1], **load)
+    if found is not None:
+        built.critic, built.tap = found
+    else:
+        built.critic = models.load_scalar_model(source[0], head_init=source[1], **load)
+    built.critic.train()
+    if from_rm and not m.critic_zero_head:
+        # The RM scores through its normalisation (gain, bias); so does the critic at the start, so
+        # its first values are on the scale of the returns (else explained variance starts << 0).
+        score = models._unwrap(built.critic.model if built.tap is not None else built.critic).score
+        with torch.no_grad():
+            score.weight.mul_(rms[0].gain)
+        built.value_bias = torch.nn.Parameter(torch.tensor(float(rms[0].bias), device=device))

@@ -1,0 +1,241 @@
+"""A PPO run around its steps: resume, the first step before anything is written, the loop with
+metrics, held-out evaluation, checkpoints and Ctrl-C/SIGTERM, and the final outputs.
+
+Each function takes the :class:`ppolm.ppo.PPOTrainer` it works for; :func:`run` is
+``PPOTrainer.train``. What a run writes is listed in :data:`OUTPUTS`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppolm import alarms, checkpoint, config, runtime
+from ppolm.errors import PPOLMError
+
+OUTPUTS = ("policy", "policy_adapter", "critic", "checkpoints", "tensorboard", "metrics.jsonl", "samples.jsonl",
+           "eval.jsonl", "eval_samples.jsonl", "best", "best.json", "config.yaml", "report.html", "plots")
+
+
+@dataclass
+class PPOResult:
+    """What :func:`ppolm.ppo.train_ppo` returns: the output directory, the metrics rows, and whether
+    Ctrl-C/SIGTERM ended the run early (a checkpoint was saved)."""
+
+    output_dir: Path
+    metrics: list[dict[str, Any]]
+    interrupted: bool = False
+
+
+def run(trainer: Any) -> PPOResult:
+    """Train for --steps PPO steps (from the newest checkpoint with --resume) and write the outputs;
+    Ctrl-C/SIGTERM ends the run after its current step, with a checkpoint."""
+    from ppolm import tracking
+
+    cfg = trainer.cfg
+    # a skipped (non-finite) update still advances the schedules, on purpose: resume-exact
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+    if cfg.run.resume:
+        resume(trainer)
+    evaluating = trainer.eval_prompts is not None
+    with runtime.stop_on_signal() as stop:
+        try:
+            # The first eval and step run before anything is written: a reward function that raises
+            # or returns garbage fails with the output directory exactly as it was.
+            t_begin = time.perf_counter()
+            print(f"{'evaluating, then ' if evaluating and trainer.start_step == 0 else ''}running step "
+                  f"{trainer.start_step + 1}/{cfg.algo.steps} (the progress bar starts after it)", file=sys.stderr)
+            first_eval = trainer.evaluate(0) if evaluating and trainer.start_step == 0 else None
+            first = trainer.step(trainer.start_step) if trainer.start_step < cfg.algo.steps else None
+            runtime.prepare_ppo_output_dir(trainer.out, cfg, OUTPUTS, commit=True)
+            config.save_yaml(cfg, trainer.out / "config.yaml")
+            for f in ("metrics.jsonl", "samples.jsonl"):
+                tracking.truncate_rows(trainer.out / f, trainer.start_step)
+            for f in ("eval.jsonl", "eval_samples.jsonl"):  # keyed by updates done: the start's eval is kept
+                tracking.truncate_rows(trainer.out / f, trainer.start_step + 1)
+        except OSError as e:
+            raise checkpoint.disk_error(e, trainer.out) from None
+        if cfg.run.best_metric and (trainer.out / "best.json").exists():
+            trainer.best_value = json.loads((trainer.out / "best.json").read_text())["value"]
+
+        tracker = None
+        step = trainer.start_step
+        try:
+            tracker = tracking.Tracker(trainer.out, cfg.algo.steps, trainer.start_step, cfg.run.quiet, t0=t_begin)
+            # the debugging checklist's alarms, live (ppolm/alarms.py): warned once, marked in metrics.jsonl
+            live_alarms = alarms.LiveAlarms(kl_target=cfg.kl.kl_target if cfg.kl.adaptive_kl else None,
+                                            emit=tracker.warn,
+                                            rows=tracking.read_jsonl(trainer.out / "metrics.jsonl"))
+            if first_eval is not None:
+                tracker.log_eval(0, *first_eval)
+                keep_best(trainer, 0, first_eval[0])
+            for step in range(trainer.start_step, cfg.algo.steps):
+                metrics, samples = first if step == trainer.start_step else trainer.step(step)
+                first = None
+                metrics.update(live_alarms(step, metrics))
+                tracker.log(step, metrics)
+                if samples:
+                    tracker.samples(samples)
+                last = step + 1 == cfg.algo.steps
+                check_health(trainer, step, last)
+                if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
+                    run_eval(trainer, step + 1, tracker)
+                if (step + 1) % cfg.run.save_every == 0 or last or stop["requested"]:
+                    save_checkpoint(trainer, step + 1)
+                if stop["requested"] and not last:
+                    break
+        except OSError as e:
+            raise checkpoint.disk_error(e, trainer.out) from None
+        finally:
+            if tracker is not None:
+                tracker.close()
+    interrupted = stop["requested"] and step + 1 < cfg.algo.steps
+    if interrupted:
+        print(f"interrupted after step {step + 1}; checkpoint saved. Continue with the same command "
+              "plus --resume", file=sys.stderr)
+    else:
+        try:
+            save_outputs(trainer)
+        except OSError as e:
+            raise checkpoint.disk_error(e, trainer.out, "the final policy/critic") from None
+    return PPOResult(trainer.out, tracking.read_jsonl(trainer.out / "metrics.jsonl"), interrupted)
+
+
+def resume(trainer: Any) -> None:
+    """Continue from the newest valid checkpoint in --output-dir (``--resume``), if there is one."""
+    found = checkpoint.load_latest(trainer.out / "checkpoints")
+    if not found:
+        print(f"no checkpoint in {trainer.out}; starting from step 0", file=sys.stderr)
+        return
+    path, tensors, meta = found
+    try:
+        load_state(trainer, tensors, meta)
+    except (KeyError, RuntimeError, ValueError, TypeError) as e:
+        raise PPOLMError(f"checkpoint {path} does not match this model or version "
+                         f"({type(e).__name__}: {str(e)[:120]}); resume with the same --model, "
+                         "or start again with --overwrite") from None
+    print(f"resuming from {path} (step {trainer.start_step})", file=sys.stderr)
+
+
+def check_health(trainer: Any, step: int, last: bool) -> None:
+    """Stop a run that keeps skipping updates, or whose weights went non-finite, before it saves."""
+    n = trainer.consecutive_skips
+    # a run that ends having skipped every update trained nothing: the same error, sooner
+    if n >= trainer.cfg.run.max_skipped_updates or (last and n > step):
+        cause = getattr(trainer, "skip_cause", "non-finite values")
+        raise PPOLMError(f"{n} consecutive updates skipped (last at step {step}: {cause}); fix the reward or "
+                         "lower --actor-lr, then continue from the last checkpoint with --resume")
+    bad = checkpoint.first_non_finite(trainer.trained_parameters())
+    if bad:
+        raise PPOLMError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "
+                         "Lower --actor-lr/--critic-lr and continue from the last checkpoint with --resume")
+
+
+def run_eval(trainer: Any, updates: int, tracker: Any) -> None:
+    metrics, rows = trainer.evaluate(updates)
+    tracker.log_eval(updates, metrics, rows)
+    keep_best(trainer, updates, metrics)
+
+
+def keep_best(trainer: Any, updates: int, metrics: dict[str, Any]) -> None:
+    """Save the policy to best/ when the chosen eval metric improves (e.g. a gold judge)."""
+    from ppolm.models import save_pretrained
+
+    name = trainer.cfg.run.best_metric
+    if name is None:
+        return
+    if name not in metrics:
+        raise PPOLMError(f"--best-metric {name} is not an eval metric; choose one of "
+                         f"{', '.join(k for k in metrics if k.startswith('eval/') and not k.endswith('_se'))}")
+    if metrics[name] > trainer.best_value:
+        trainer.best_value = metrics[name]
+        best = trainer.out / "best"
+        if hasattr(trainer.policy, "merge_and_unload"):
+            trainer.policy.save_pretrained(str(best / "policy_adapter"))
+        else:
+            save_pretrained(trainer.policy, trainer.tokenizer, best / "policy")
+        (trainer.out / "best.json").write_text(json.dumps(
+            {"step": updates, "metric": name, "value": metrics[name], "se": metrics.get(name + "_se"),
+             "kl": metrics["eval/kl"]}, indent=2))
+
+
+def state(trainer: Any, next_step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = dict(trainer.trained_parameters())
+    ta, ma = checkpoint.optimizer_state(trainer.actor_opt, "actor_opt")
+    tc, mc = checkpoint.optimizer_state(trainer.critic_opt, "critic_opt")
+    tr, mr = checkpoint.rng_state()
+    tensors.update(ta | tc | tr)
+    meta = {"next_step": next_step, "kl_ctl": trainer.kl_ctl.state_dict(), "actor_opt": ma, "critic_opt": mc,
+            "actor_sched": trainer.actor_sched.state_dict(), "critic_sched": trainer.critic_sched.state_dict(),
+            "rng": mr, "skipped_total": trainer.skipped_total, "consecutive_skips": trainer.consecutive_skips}
+    return tensors, meta
+
+
+def load_state(trainer: Any, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    with torch.no_grad():
+        for n, p in trainer.trained_parameters():
+            p.copy_(tensors[n])
+    trainer.actor.copy_to_model()
+    trainer.critic_weights.copy_to_model()
+    checkpoint.load_optimizer_state(trainer.actor_opt, "actor_opt", tensors, meta["actor_opt"])
+    checkpoint.load_optimizer_state(trainer.critic_opt, "critic_opt", tensors, meta["critic_opt"])
+    trainer.actor_sched.load_state_dict(meta["actor_sched"])
+    trainer.critic_sched.load_state_dict(meta["critic_sched"])
+    trainer.kl_ctl.load_state_dict(meta["kl_ctl"])
+    trainer.skipped_total, trainer.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
+    checkpoint.set_rng_state(tensors, meta["rng"])
+    trainer.start_step = meta["next_step"]
+
+
+def save_checkpoint(trainer: Any, next_step: int) -> None:
+    tensors, meta = state(trainer, next_step)
+    checkpoint.save(trainer.out / "checkpoints", next_step, tensors, meta, trainer.cfg.run.keep_last)
+
+
+def save_outputs(trainer: Any) -> None:
+    """policy/ and critic/ in Hugging Face format (safetensors), loadable by plain transformers."""
+    from ppolm.models import save_pretrained
+
+    bad = checkpoint.first_non_finite(trainer.trained_parameters())
+    if bad:
+        raise PPOLMError(f"non-finite weights in {bad}; not saving them (see metrics.jsonl guard/*)")
+    # bf16 models are saved in fp32, with the trained weights from their fp32 masters
+    trainer.actor.to_fp32_model()
+    trainer.critic_weights.to_fp32_model()
+    trainer.policy.float()
+    if trainer.critic is not None:
+        trainer.critic.float()
+    policy = trainer.policy
+    # each output directory is written beside its final name, then swapped in (a full disk leaves
+    # the previous one, and the checkpoints, intact)
+    if hasattr(policy, "merge_and_unload"):  # LoRA: save the adapter, and the merged model in policy/
+        with checkpoint.atomic_dir(trainer.out / "policy_adapter") as tmp:
+            policy.save_pretrained(str(tmp))
+        policy = policy.merge_and_unload()
+        trainer.policy = policy
+    with checkpoint.atomic_dir(trainer.out / "policy") as tmp:
+        save_pretrained(policy, trainer.tokenizer, tmp)
+    with checkpoint.atomic_dir(trainer.out / "critic") as tmp:
+        if trainer.tap is not None:  # top layers on a frozen trunk: saved as one whole model
+            src, _ = trainer.critic_source
+            m = trainer.cfg.model
+            full = trainer.critic.full_model(src, dtype=torch.float32, device="cpu",
+                                          trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
+            save_pretrained(full, trainer.tokenizer, tmp)
+            del full
+        elif trainer.critic is not None:
+            save_pretrained(trainer.critic, trainer.tokenizer, tmp)
+        else:
+            from safetensors.torch import save_file
+
+            save_file({k: v.detach().cpu().contiguous() for k, v in trainer.value_head.state_dict().items()},
+                      str(tmp / "value_head.safetensors"))
+        if trainer.value_bias is not None:  # value = head output + bias (the RM's normalisation, trained on)
+            (tmp / "ppolm_value.json").write_text(json.dumps({"bias": float(trainer.value_bias.detach())}, indent=2))

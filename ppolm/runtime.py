@@ -1,0 +1,359 @@
+"""What every command sets up around its training the same way: device and numeric precision,
+seeds and random-number streams, the process (one only; Ctrl-C/SIGTERM; memory handed back), and
+the output directory guard.
+
+``--precision auto`` is a speed choice only: bf16 where the hardware computes it natively (CUDA
+with bf16 support; CPUs with AMX or AVX512-BF16), fp32 elsewhere (on a CPU without those
+instructions bf16 is emulated and slower than fp32). The choice and its reason are printed once.
+
+The bf16 recipe of ``ppolm ppo`` (mixed precision as in Micikevicius et al. 2018,
+https://arxiv.org/abs/1710.03740, and as FSDP's ``MixedPrecisionPolicy(param_dtype=bf16)`` runs it):
+
+* every model computes in bf16 with bf16 weights: the policy, the frozen reference, the reward
+  models and the critic; so the policy and the reference run *the same operations on the same
+  numbers* until the first update (KL exactly 0, importance ratio exactly 1), and a LoRA policy's
+  reference (its adapter disabled) is the same bf16 base;
+* trained weights keep an fp32 master copy (:class:`MasterWeights`): gradients are moved to it after
+  each backward pass, the optimiser (and its states) works in fp32, and the bf16 weights are
+  rounded from it after each step, so updates far below bf16's resolution still accumulate;
+  LoRA adapters are kept in fp32 by peft and need no copy;
+* every quantity the PPO maths reads is fp32: logits come from the LM head in fp32
+  (:func:`ppolm.models.output_logits`; the LM head's bf16 rounding alone makes sampled and
+  recomputed log-probs differ by ~0.03 nats per token, MiniMax-M1, https://arxiv.org/abs/2506.13585),
+  values from the value head in fp32, and log-probs, rewards, advantages and losses are fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppolm.errors import PPOLMError
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise PPOLMError("--device cuda was asked for but no CUDA device is available; use --device cpu or auto")
+    return torch.device(name)
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether ``device`` computes bf16 natively, and what that was read from."""
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ok, f"{torch.cuda.get_device_name(device)} {'supports' if ok else 'does not support'} bf16"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    found = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    if not found and not flags:  # no /proc/cpuinfo (macOS, Windows): ask torch's own CPU probe
+        try:
+            if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
+                found = ["bf16 (torch.cpu)"]
+        except AttributeError:
+            pass
+    if found:
+        return True, f"this CPU has {' and '.join(found)}"
+    return False, "this CPU has neither AMX nor AVX512-BF16, so bf16 would be emulated and slower than fp32"
+
+
+_SAID: set[tuple[str, str, str]] = set()
+
+
+def resolve_precision(name: str, device: torch.device, *, say: bool = True) -> str:
+    """'auto' -> 'bf16' where ``device`` computes bf16 natively, else 'fp32'; prints the choice and
+    why once per process (``say=False``: silent)."""
+    if name not in ("auto", "bf16", "fp32"):
+        raise PPOLMError(f"--precision must be auto, bf16 or fp32; got {name!r}")
+    if name == "auto":
+        ok, why = native_bf16(device)
+        chosen, reason = ("bf16" if ok else "fp32"), f"auto: {why}"
+    else:
+        chosen, reason = name, "as asked"
+    key = (name, chosen, device.type)
+    if say and key not in _SAID:
+        _SAID.add(key)
+        print(f"precision: {chosen} on {device.type} ({reason})", file=sys.stderr)
+    return chosen
+
+
+def dtype_of(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+class MasterWeights:
+    """fp32 master copies of trained parameters that the model holds in bf16.
+
+    The optimiser steps :attr:`params` (fp32); the model's own parameters (``model_params``) are
+    what the forward pass uses. An fp32 model parameter is its own master (no copy). Use:
+    ``loss.backward(); mw.grads_to_master()`` after every backward pass (gradients accumulate in
+    fp32, not bf16), then clip and step the optimiser on ``mw.params``, then ``mw.copy_to_model()``.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]):
+        self.model_params = list(params)
+        self.params = [p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone())
+                       for p in self.model_params]
+
+    def pairs(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        return [(p, m) for p, m in zip(self.model_params, self.params) if p is not m]
+
+    def grads_to_master(self) -> None:
+        for p, m in self.pairs():
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            m.grad = g if m.grad is None else m.grad.add_(g)
+            p.grad = None
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for p, m in self.pairs():
+            p.copy_(m)
+
+    @torch.no_grad()
+    def to_fp32_model(self) -> None:
+        """Make the model's parameters fp32 copies of the masters (before saving the final model)."""
+        for p, m in self.pairs():
+            p.data = m.detach().clone()
+
+
+# ----------------------------------------------------------------------------------- seeds
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_devices(device: torch.device) -> list[int]:
+    """The CUDA devices whose generators a computation on ``device`` draws from: that device's
+    index (the current device when the index is unset), or none on a CPU."""
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """Run a block with its own seed on the CPU generator and, on CUDA, ``device``'s generator, and
+    restore both afterwards. (``torch.manual_seed`` would reseed every CUDA device, including ones
+    ``torch.random.fork_rng(devices=...)`` did not save, so it is not used here.)"""
+    devices = rng_devices(device)
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        for d in devices:
+            with torch.cuda.device(d):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+# ------------------------------------------------------------------------------- the process
+
+def refuse_data_parallel() -> None:
+    """Refuse to run as one of several processes (``torchrun --nproc-per-node N`` sets WORLD_SIZE):
+    nothing is synchronised across processes yet, so N of them would train N independent models
+    and race on one --output-dir."""
+    n = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if n != "1":
+        raise PPOLMError(f"data-parallel training is not supported yet: run one process (WORLD_SIZE={n} was set "
+                         "by torchrun or the environment)")
+
+
+@contextlib.contextmanager
+def stop_on_signal() -> Iterator[dict[str, bool]]:
+    """While active, the first Ctrl-C or SIGTERM only sets ``stop["requested"]`` (the training loop
+    then saves a checkpoint and ends after its current step); a second one aborts at once
+    (KeyboardInterrupt). Handlers are installed on the main thread only, and restored on exit."""
+    stop = {"requested": False}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        print("\nstopping after this step to save a checkpoint (Ctrl-C again to abort without saving)",
+              file=sys.stderr, flush=True)
+
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        yield stop
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+_LIBC: Any = None
+
+
+def malloc_trim() -> None:
+    """Hand memory freed by the last stage (KV cache, frozen models' activations) back to the OS
+    before the training pass, so the peak is not the sum of both (glibc only; ~80 MB on the peer work)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018  (raises AttributeError off glibc)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+# ----------------------------------------------------------------------- the output directory
+# A non-empty --output-dir needs --resume (the same options) or --overwrite. Two flavours: PPO's
+# nested config (ppolm ppo) and the flat configs of ppolm sft, reward and dpo.
+
+RUN_CONTROL = {"resume", "overwrite", "quiet", "epochs", "save_every", "keep_last", "max_skipped_updates"}
+"""Options a resumed sft/reward/dpo run may change; every other option must match the run it continues."""
+
+PPO_RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "save_every", "keep_last", "sample_every",
+                   "max_skipped_updates"}
+"""The same for ``ppolm ppo`` (options of any section)."""
+
+
+def prepare_output_dir(out: Path, cfg: Any, config_name: str, commit: bool = False) -> None:
+    """Refuse to mix runs (sft, reward, dpo): a non-empty --output-dir needs --resume (same options)
+    or --overwrite.
+
+    Without ``commit`` this only checks: nothing on disk changes, so a bad input found later leaves
+    the directory exactly as it was. ``commit=True``, called once the data and the model have
+    loaded, empties the directory (--overwrite) and creates it.
+    """
+    from ppolm import checkpoint, config
+
+    if out.exists() and not out.is_dir():
+        raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
+    if commit:
+        if cfg.overwrite and out.is_dir():
+            for p in out.iterdir():
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
+        return
+    if out.is_dir() and any(out.iterdir()):
+        if cfg.overwrite:
+            if (out / ".git").exists() or out.resolve() == Path.cwd().resolve() or out.resolve() == Path.home():
+                raise PPOLMError(f"refusing to empty {out} (a repository, the working or home directory); "
+                                 "choose a dedicated --output-dir")
+        elif cfg.resume:
+            saved = out / config_name
+            if not saved.exists():
+                raise PPOLMError(f"--output-dir {out} does not hold a run of this command (no {config_name}); "
+                                 "choose another directory")
+            before = config.load_yaml(saved)
+            diff = config_difference(before, config.to_dict(cfg))
+            if diff:
+                raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); resume with "
+                                 "the same options, or use --overwrite or a new --output-dir")
+            old_epochs = before.get("epochs")
+            if cfg.lr_schedule == "linear" and old_epochs is not None and old_epochs != cfg.epochs:
+                # the schedule decays over all epochs' steps: another total rescales every step's rate
+                raise PPOLMError(f"--epochs changed from {old_epochs} to {cfg.epochs} but the linear learning-rate "
+                                 f"schedule decays over --epochs; resume with --epochs {old_epochs} (a run with "
+                                 "--lr-schedule constant can be extended)")
+        else:
+            raise PPOLMError(f"--output-dir {out} already holds files; pass --overwrite to replace them, --resume "
+                             "to continue that run, or choose a new directory")
+    checkpoint.check_creatable(out)
+
+
+def config_difference(saved: Any, now: dict[str, Any]) -> str:
+    """The first option (not a run-control one) whose saved value differs from ``now``; "" if none."""
+    if not isinstance(saved, dict):
+        return f"the saved config is a {type(saved).__name__}, not a mapping"
+    for k, v in now.items():
+        if k not in RUN_CONTROL and saved.get(k, v) != v:
+            return f"{k}: {saved.get(k)!r} then, {v!r} now"
+    return ""
+
+
+def write_config(cfg: Any, path: Path) -> None:
+    """config.save_yaml, atomically (a kill mid-write never leaves a half file for --resume to read)."""
+    from ppolm import config
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    config.save_yaml(cfg, tmp)
+    os.replace(tmp, path)
+
+
+def prepare_ppo_output_dir(out: Path, cfg: Any, outputs: Iterable[str], commit: bool = False) -> None:
+    """Refuse to mix PPO runs: an existing non-empty dir needs --resume (same config) or --overwrite.
+
+    Without ``commit`` this only checks (nothing on disk changes, so a bad input found later leaves
+    the directory as it was); ``commit=True``, called once the first step has succeeded, removes
+    the previous run's ``outputs`` (--overwrite) and creates the directory.
+    """
+    from ppolm import checkpoint, config
+
+    if out.exists() and not out.is_dir():
+        raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
+    if commit:
+        if cfg.run.overwrite and out.is_dir():
+            for name in outputs:
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
+        return
+    if out.is_dir() and any(out.iterdir()):
+        saved = out / "config.yaml"
+        if cfg.run.overwrite:
+            pass  # replaced at commit, after the first step succeeded
+        elif cfg.run.resume:
+            if not saved.exists():
+                raise PPOLMError(f"--output-dir {out} does not hold a ppolm run (no config.yaml); "
+                                 "choose another directory")
+            before = config.load_yaml(saved)
+            diff = ppo_config_difference(before, config.to_dict(cfg))
+            if diff:
+                raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); "
+                                 "resume with the same options, or use --overwrite or a new --output-dir")
+            old_steps = (before.get("algo") or {}).get("steps") if isinstance(before, dict) else None
+            if cfg.algo.lr_schedule == "linear" and old_steps is not None and old_steps != cfg.algo.steps:
+                # the schedule's lambda decays over --steps: another total rescales every step's rate
+                raise PPOLMError(f"--steps changed from {old_steps} to {cfg.algo.steps} but the linear learning-rate "
+                                 f"schedule decays over --steps; resume with --steps {old_steps} (a run with "
+                                 "--lr-schedule constant can be extended)")
+        else:
+            raise PPOLMError(f"--output-dir {out} already holds files; pass --resume to continue that run, "
+                             "--overwrite to replace it, or choose a new directory")
+    checkpoint.check_creatable(out)
+
+
+def ppo_config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """First differing option between two nested (PPO) config dicts, ignoring run-control options."""
+    for sec, vals in now.items():
+        if not isinstance(vals, dict):
+            continue
+        for k, v in vals.items():
+            if k in PPO_RUN_CONTROL:
+                continue
+            section = saved.get(sec, {}) if isinstance(saved, dict) else {}
+            old = section.get(k, v) if isinstance(section, dict) else None
+            if old != v:
+                return f"{k}: {old!r} then, {v!r} now"
+    return ""
