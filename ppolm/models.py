@@ -332,6 +332,9 @@ def load_causal_lm(
     """A causal LM in eval mode, dropout off, pad/eos ids from the (given or loaded) tokenizer."""
     from transformers import AutoModelForCausalLM
 
+    from ppolm.runtime import announce
+
+    announce()  # the precision chosen for this run, now that work begins
     path = resolve_model_dir(spec, allow_pickle=allow_pickle)
     tok = tokenizer or load_tokenizer(path, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     with _quiet_loading():
@@ -385,6 +388,9 @@ def load_scalar_model(
 
     if head_init not in ("reward", "value", "keep"):
         raise PPOLMError(f"head_init must be 'reward', 'value' or 'keep', not {head_init!r}")
+    from ppolm.runtime import announce
+
+    announce()  # the precision chosen for this run, now that work begins
     path = resolve_model_dir(spec, allow_pickle=allow_pickle)
     if head_init == "keep" and not has_scalar_head(path):
         raise PPOLMError(

@@ -72,11 +72,13 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
 
 
 _SAID: set[tuple[str, str, str]] = set()
+_PENDING: list[str] = []
 
 
 def resolve_precision(name: str, device: torch.device, *, say: bool = True) -> str:
-    """'auto' -> 'bf16' where ``device`` computes bf16 natively, else 'fp32'; prints the choice and
-    why once per process (``say=False``: silent)."""
+    """'auto' -> 'bf16' where ``device`` computes bf16 natively, else 'fp32'. The choice and why are
+    said once per process (``say=False``: never), when the first model loads (:func:`announce`), so
+    that bad input found before any work is reported by its one error line alone."""
     if name not in ("auto", "bf16", "fp32"):
         raise PPOLMError(f"--precision must be auto, bf16 or fp32; got {name!r}")
     if name == "auto":
@@ -87,8 +89,14 @@ def resolve_precision(name: str, device: torch.device, *, say: bool = True) -> s
     key = (name, chosen, device.type)
     if say and key not in _SAID:
         _SAID.add(key)
-        print(f"precision: {chosen} on {device.type} ({reason})", file=sys.stderr)
+        _PENDING.append(f"precision: {chosen} on {device.type} ({reason})")
     return chosen
+
+
+def announce() -> None:
+    """Print what :func:`resolve_precision` chose and has not said yet (called as models load)."""
+    while _PENDING:
+        print(_PENDING.pop(0), file=sys.stderr)
 
 
 def dtype_of(precision: str) -> torch.dtype:

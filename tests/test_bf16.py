@@ -121,9 +121,12 @@ def test_auto_precision_says_what_it_picked_and_why(capsys):
     runtime._SAID.clear()
     chosen = runtime.resolve_precision("auto", torch.device("cpu"))
     assert chosen == ("bf16" if ok else "fp32")
+    assert capsys.readouterr().err == ""  # said when the first model loads, not before
+    runtime.announce()
     err = capsys.readouterr().err
     assert f"precision: {chosen} on cpu (auto: " in err and why in err
     assert runtime.resolve_precision("fp32", torch.device("cpu")) == "fp32"
+    runtime.announce()
     assert "(as asked)" in capsys.readouterr().err
 
 

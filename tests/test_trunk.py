@@ -121,7 +121,8 @@ def test_ppo_steps_are_unchanged_by_sharing(dirs, tmp_path, rm, critic_layers, l
     assert on.frozen.policy_start == (2 if lora else 0)
     for a, b in zip(rows_on, rows_off):
         for key in KEYS:
-            assert a[key] == pytest.approx(b[key], abs=2e-5), key
+            # (explained variance, 1 - var(residual)/var(return), magnifies rounding: relative)
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=2e-5), key
     for (n, p), (_, q) in zip(on.trained_parameters(), off.trained_parameters()):
         assert torch.allclose(p, q, atol=1e-5), n
     assert rows_on[1]["policy/approxkl_avg"] > 0  # and the policy did move
