@@ -8,7 +8,9 @@ iteration written as the numbered steps of the seed's pseudo-code: it fills an
 :class:`ppolm.rollout.Experience` (the frozen models' part comes from ppolm/frozen.py) and
 :meth:`PPOTrainer.update` runs the PPO epochs on it; the maths is in :mod:`ppolm.core`, the
 metrics row in ppolm/ppo_metrics.py, and the run around the steps (resume, checkpoints,
-evaluation, outputs) in ppolm/ppo_run.py."""
+evaluation, outputs) in ppolm/ppo_run.py. ``--advantage`` replaces GAE (step 5) by a critic-free
+estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax); then no critic exists at all (README, "PPO
+and its alternatives")."""
 
 from __future__ import annotations
 

@@ -79,7 +79,8 @@ class Experience:
     entropy: torch.Tensor | None
     """(B, R) the rollout policy's entropy per token (for the metric), or None."""
     values: torch.Tensor
-    """(B, R) the critic's values before each response token, 0 on padding."""
+    """(B, R) the critic's values before each response token, 0 on padding; all 0 without a critic
+    (``--advantage`` other than gae)."""
     scores: torch.Tensor
     """(B,) the reward: the sources' total with the missing-EOS and length penalties."""
     kl: torch.Tensor
@@ -89,9 +90,11 @@ class Experience:
     rewards: torch.Tensor
     """(B, R) per-token rewards: -beta * kl, plus the score on each response's last real token."""
     advantages: torch.Tensor
-    """(B, R) GAE advantages (whitened over the batch when asked)."""
+    """(B, R) GAE advantages (whitened over the batch when asked), or those of the ``--advantage``
+    estimator (:meth:`ppolm.ppo.PPOTrainer.critic_free_advantages`)."""
     returns: torch.Tensor
-    """(B, R) value targets: the unwhitened advantages plus the values."""
+    """(B, R) value targets: the unwhitened advantages plus the values (the advantages themselves
+    without a critic, unused)."""
     critic_input: torch.Tensor | None = None
     """(B, P + R, d) the frozen trunk's hidden state that feeds a top-layers critic, or None."""
     policy_entering: torch.Tensor | None = None

@@ -206,3 +206,20 @@ def test_minibatches_may_split_a_group(tiny_policy_dir, tmp_path, reward_file):
     cfg = make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, advantage="grpo", samples_per_prompt=4,
                    minibatches=4, steps=1)
     assert all(math.isfinite(v) for v in train_ppo(cfg).metrics[0].values() if isinstance(v, float))
+
+
+def test_critic_free_with_lora_or_critic_shared_and_eval(tiny_policy_dir, tmp_path, reward_file):
+    """LoRA and --critic shared combine with a critic-free estimator (no critic, no value head is
+    built), and the held-out evaluation runs."""
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text("".join(json.dumps({"prompt": f"Tell me about {w}."}) + "\n" for w in ("cats", "rain")))
+    for i, over in enumerate([dict(lora_r=4), dict(critic="shared")]):
+        out = tmp_path / f"run{i}"
+        cfg = make_cfg(tiny_policy_dir, out, reward_file, advantage="reinforce++-baseline", samples_per_prompt=2,
+                       eval_prompts=str(evals), eval_every=1, **over)
+        trainer = PPOTrainer(cfg)
+        assert trainer.critic is None and trainer.value_head is None and trainer.critic_opt is None
+        result = trainer.train()
+        assert len(result.metrics) == 2 and (out / "eval.jsonl").is_file()
+        assert not (out / "critic").exists()
+    assert (tmp_path / "run0" / "policy_adapter").is_dir()
