@@ -8,7 +8,9 @@ iteration written as the numbered steps of the seed's pseudo-code: it fills an
 :class:`ppolm.rollout.Experience` (the frozen models' part comes from ppolm/frozen.py) and
 :meth:`PPOTrainer.update` runs the PPO epochs on it; the maths is in :mod:`ppolm.core`, the
 metrics row in ppolm/ppo_metrics.py, and the run around the steps (resume, checkpoints,
-evaluation, outputs) in ppolm/ppo_run.py."""
+evaluation, outputs) in ppolm/ppo_run.py. ``--advantage`` replaces GAE (step 5) by a critic-free
+estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++, ReMax); then no critic exists at all (README, "PPO
+and its alternatives")."""
 
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class PPOTrainer:
 
         refuse_data_parallel()
         cfg.validate()
+        cfg.resolve()  # --kl-in auto / --loss-agg auto: what they mean for this --advantage
         self.cfg = cfg
         m = cfg.model
         self.out = Path(cfg.run.output_dir)
@@ -76,6 +79,7 @@ class PPOTrainer:
         # The four models (ppolm/ppo_models.py): policy, reference, rewarder, critic
         built = ppo_models.build(cfg, self.tokenizer, model_dir, functions, self.dtype, self.device)
         self.policy, self.reference, self.rewarder = built.policy, built.reference, built.rewarder
+        # critic and value_head are both None for the critic-free estimators (--advantage other than gae)
         self.critic, self.value_head, self.tap, self.value_bias = built.critic, built.value_head, built.tap, \
             built.value_bias
         self.critic_from_rm, self.critic_source = built.critic_from_rm, built.critic_source
@@ -84,6 +88,7 @@ class PPOTrainer:
                                    temperature=cfg.generation.temperature, device=self.device, tap=self.tap,
                                    critic_from_rm=self.critic_from_rm, share_trunk=m.share_trunk,
                                    critic_entry=self.critic.total_layers - self.critic.n if self.tap else 0)
+        self.has_critic = self.critic is not None or self.value_head is not None
         self.policy_start = self.frozen.policy_start
         self.build_optimisers()
         k = cfg.kl
@@ -120,7 +125,8 @@ class PPOTrainer:
 
     def build_optimisers(self) -> None:
         """Separate AdamW optimisers and learning rates for actor and critic (Adam eps 1e-5, detail
-        16); with bf16 models they step fp32 master copies (ppolm/runtime.py)."""
+        16); with bf16 models they step fp32 master copies (ppolm/runtime.py). Without a critic
+        (critic-free estimators) ``critic_opt`` and ``critic_sched`` are None."""
         a = self.cfg.algo
         self.actor = runtime.MasterWeights(p for p in self.policy.parameters() if p.requires_grad)
         self.critic_weights = runtime.MasterWeights(p for _, p in self.critic_named_parameters())
@@ -128,15 +134,27 @@ class PPOTrainer:
         # fused AdamW: one kernel over all parameters, ~4x faster than the per-tensor loop on a CPU
         adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay, fused=self.device.type in ("cpu", "cuda"))
         self.actor_opt = torch.optim.AdamW(self.actor_params, lr=a.actor_lr, **adam)
-        self.critic_opt = torch.optim.AdamW(self.critic_params, lr=a.critic_lr, **adam)
         decay = (lambda s: max(0.0, 1.0 - s / a.steps)) if a.lr_schedule == "linear" else (lambda s: 1.0)
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
-        self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, decay)
+        self.critic_opt = self.critic_sched = None
+        if self.critic_params:
+            self.critic_opt = torch.optim.AdamW(self.critic_params, lr=a.critic_lr, **adam)
+            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, decay)
 
     # ----------------------------------------------------------------------------------------
     def prompt_batch(self, step: int) -> list[Any]:
-        """Prompts of a step: a fresh seeded permutation per pass over the data (resume-safe)."""
-        return [self.prompts[i] for i in self.prompt_order.indices(step, self.cfg.algo.batch_size)]
+        """Prompts of a step: a fresh seeded permutation per pass over the data (resume-safe). With
+        --samples-per-prompt G, batch_size / G prompts, each repeated G times in adjacent rows (one
+        group per prompt; see :meth:`group_ids`)."""
+        a = self.cfg.algo
+        g = a.samples_per_prompt
+        return [self.prompts[i] for i in self.prompt_order.indices(step, a.batch_size // g) for _ in range(g)]
+
+    def group_ids(self) -> torch.Tensor:
+        """(B,) the group (prompt) of each row of a step's batch: 0, .., 0, 1, .., 1, .. in runs of G."""
+        a = self.cfg.algo
+        return torch.arange(a.batch_size // a.samples_per_prompt, device=self.device).repeat_interleave(
+            a.samples_per_prompt)
 
     def forward_train(self, roll: ro.Rollout, need_entropy_grad: bool,
                       trunk: torch.Tensor | None = None,
@@ -153,14 +171,16 @@ class PPOTrainer:
         if want_entropy:
             with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
                 ent = core.entropy_from_logits(logits)
-        if self.value_head is not None:
+        if not self.has_critic:
+            v = None
+        elif self.value_head is not None:
             v = scalar_head(self.value_head, h)
         elif self.tap is not None:
             p, r = roll.query.shape[1], roll.response.shape[1]
             v = self.critic(trunk, roll.attention_mask)[:, p - 1:p - 1 + r]
         else:
             v = ro.values(self.critic, roll)
-        if self.value_bias is not None:
+        if self.value_bias is not None and v is not None:
             v = v + self.value_bias
         return logp, ent, v
 
@@ -172,19 +192,22 @@ class PPOTrainer:
                                     r.length_budget)
 
     def optimizer_step(self) -> bool:
-        """Clip and step both optimisers; skip both if any gradient is non-finite."""
+        """Clip and step both optimisers (the actor's alone without a critic); skip every step if any
+        gradient is non-finite."""
         a = self.cfg.algo
         self.actor.grads_to_master()
         self.critic_weights.grads_to_master()
-        norms = [torch.nn.utils.clip_grad_norm_(ps, a.max_grad_norm) for ps in (self.actor_params, self.critic_params)]
+        opts = [self.actor_opt] + ([self.critic_opt] if self.critic_opt is not None else [])
+        norms = [torch.nn.utils.clip_grad_norm_(ps, a.max_grad_norm) for ps in (self.actor_params, self.critic_params)
+                 if ps]
         ok = all(torch.isfinite(n) for n in norms)
         if ok:
-            self.actor_opt.step()
-            self.critic_opt.step()
+            for opt in opts:
+                opt.step()
             self.actor.copy_to_model()
             self.critic_weights.copy_to_model()
-        self.actor_opt.zero_grad(set_to_none=True)
-        self.critic_opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         return ok
 
     def ptx_loss(self, gen: torch.Generator) -> torch.Tensor:
@@ -207,13 +230,20 @@ class PPOTrainer:
         t_start = time.perf_counter()
         prompts = self.prompt_batch(step)
 
-        # 1. Rollout: sample a response per prompt (no grad, KV cache), mask after EOS.
+        # 1. Rollout: sample a response per row (no grad, KV cache), mask after EOS; ReMax also
+        #    decodes one greedy response per prompt, its baseline.
         self.policy.eval()
         roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
                            max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
                            top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
         if cfg.model.share_prefix:
             roll.share_prefix()  # the prompts' common beginning runs once per pass (ppolm/prefix.py)
+        greedy = None
+        if a.advantage == "remax":
+            firsts = prompts[::a.samples_per_prompt]
+            greedy = ro.generate(self.policy, [p.ids for p in firsts], pad_id=self.pad_id, eos_id=self.eos_id,
+                                 max_new_tokens=g.response_length, temperature=g.temperature, greedy=True,
+                                 ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
         self.policy.train()
         mask = roll.response_mask.float()  # (B, R)
         runtime.malloc_trim()
@@ -224,6 +254,10 @@ class PPOTrainer:
         #    no EOS and length.
         fo = self.frozen.run(roll, prompts)
         scores = self.penalise(fo.scores, roll)  # (B,)
+        greedy_scores = None
+        if greedy is not None:  # (B,): each prompt's greedy score, repeated over its G rows
+            greedy_scores = self.penalise(self.frozen.score(greedy, firsts)[0], greedy)
+            greedy_scores = greedy_scores.repeat_interleave(a.samples_per_prompt)
 
         # 3. The rollout policy's own log-probs and values. With one minibatch per epoch the first
         #    epoch's forward pass *is* the rollout pass (ratio 1 exactly), so it runs once, with
@@ -232,24 +266,30 @@ class PPOTrainer:
         runtime.malloc_trim()
         with torch.set_grad_enabled(fused):
             first_pass = self.forward_train(roll, a.entropy_coef > 0, fo.critic_input, fo.policy_entering)
-        old_logprobs, entropy, old_values = (x.detach() for x in first_pass)  # (B, R) each
+        old_logprobs, entropy, old_values = (None if x is None else x.detach() for x in first_pass)  # (B, R) each
         t_score = time.perf_counter()
 
         # 4. Per-token KL vs the reference; the score lands on each response's last real token.
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
-        rewards, non_score = core.shape_rewards(scores, kl, beta if cfg.kl.kl_in == "reward" else 0.0, mask)
-        if cfg.kl.kl_in == "loss":
-            non_score = -beta * kl
-        if cfg.reward.whiten_rewards:
-            rewards = core.masked_whiten(rewards, mask, shift_mean=False)
+        if a.advantage == "gae":
+            rewards, non_score = core.shape_rewards(scores, kl, beta if cfg.kl.kl_in == "reward" else 0.0, mask)
+            if cfg.kl.kl_in == "loss":
+                non_score = -beta * kl
+            if cfg.reward.whiten_rewards:
+                rewards = core.masked_whiten(rewards, mask, shift_mean=False)
 
-        # 5. Advantages by GAE (gamma, lambda); returns = advantages + values; whitened per batch.
-        old_values = old_values * mask
-        advantages, returns = core.gae(rewards, old_values, mask, a.gamma, a.lam)  # (B, R)
-        adv_var = core.masked_var(advantages, mask).item() if mask.sum() > 1 else 0.0
-        if a.whiten_advantages:
-            advantages = core.masked_whiten(advantages, mask)
+            # 5. Advantages by GAE (gamma, lambda); returns = advantages + values; whitened per batch.
+            old_values = old_values * mask
+            advantages, returns = core.gae(rewards, old_values, mask, a.gamma, a.lam)  # (B, R)
+            adv_var = core.masked_var(advantages, mask).item() if mask.sum() > 1 else 0.0
+            if a.whiten_advantages:
+                advantages = core.masked_whiten(advantages, mask)
+        else:
+            # 5'. A critic-free estimator (--advantage): no values; returns are the advantages.
+            rewards, non_score, advantages, adv_var = self.critic_free_advantages(scores, kl, beta, mask,
+                                                                                  greedy_scores)
+            old_values, returns = torch.zeros_like(mask), advantages
         exp = ro.Experience(roll=roll, mask=mask, ref_logprobs=fo.ref_logprobs, old_logprobs=old_logprobs,
                             entropy=entropy, values=old_values, scores=scores, kl=kl, non_score=non_score,
                             rewards=rewards, advantages=advantages, returns=returns, critic_input=fo.critic_input,
@@ -272,9 +312,11 @@ class PPOTrainer:
         mean_kl = kl.sum(1).mean().item()
         if not skipped and math.isfinite(mean_kl):
             self.kl_ctl.update(mean_kl, 1)  # one PPO update: --kl-horizon counts updates
-        lr, critic_lr = self.actor_sched.get_last_lr()[0], self.critic_sched.get_last_lr()[0]
+        lr = self.actor_sched.get_last_lr()[0]
+        critic_lr = self.critic_sched.get_last_lr()[0] if self.critic_sched is not None else None
         self.actor_sched.step()
-        self.critic_sched.step()
+        if self.critic_sched is not None:
+            self.critic_sched.step()
         self.skipped_total += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
 
@@ -289,6 +331,45 @@ class PPOTrainer:
                 samples.append({"step": step, "prompt": p.raw, "response": t, "score": s, "kl": k, "length": n})
         return metrics, samples
 
+    def critic_free_advantages(self, scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor,
+                               greedy_scores: torch.Tensor | None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """Step 5 of the critic-free estimators (README, "PPO and its alternatives"): (rewards,
+        non_score, advantages (B, R), advantage variance before any whitening).
+
+        * reinforce++: per-token rewards of :func:`ppolm.core.shape_rewards` (score on the last
+          token, -beta * KL on each with --kl-in reward), returns-to-go with --gamma, whitened over
+          the batch; reinforce++-baseline subtracts each group's mean score first (Hu 2025).
+        * grpo, dr-grpo, rloo, remax: one advantage per response from its score, broadcast over its
+          tokens, not whitened. The score is the reward's (penalties included); with --kl-in reward
+          it is the RLHF reward, score - beta * the response's KL (ReMax's greedy baseline then
+          keeps its bare score: its KL is not computed).
+        """
+        a, in_reward = self.cfg.algo, self.cfg.kl.kl_in == "reward"
+        gid = self.group_ids()
+        if a.advantage in ("reinforce++", "reinforce++-baseline"):
+            base = core.group_baseline(scores, gid) if a.advantage == "reinforce++-baseline" else scores
+            rewards, non_score = core.shape_rewards(base, kl, beta if in_reward else 0.0, mask)
+            if self.cfg.reward.whiten_rewards:
+                rewards = core.masked_whiten(rewards, mask, shift_mean=False)
+            returns = core.reinforce_pp_returns(rewards, mask, a.gamma)
+            adv_var = core.masked_var(returns, mask).item() if mask.sum() > 1 else 0.0
+            advantages = core.masked_whiten(returns, mask)
+        else:
+            rewards, non_score = core.shape_rewards(scores, kl, beta if in_reward else 0.0, mask)
+            seq = scores + non_score.sum(1) if in_reward else scores  # (B,)
+            if a.advantage in ("grpo", "dr-grpo"):
+                per_seq = core.grpo_advantages(seq, gid, scale=a.advantage == "grpo")
+            elif a.advantage == "rloo":
+                per_seq = core.rloo_advantages(seq, gid)
+            else:  # remax
+                per_seq = core.remax_advantages(seq, greedy_scores)
+            advantages = per_seq.float()[:, None] * mask
+            adv_var = core.masked_var(advantages, mask).item() if mask.sum() > 1 else 0.0
+        if not in_reward:
+            non_score = -beta * kl
+        return rewards, non_score, advantages, adv_var
+
     def update(self, exp: ro.Experience, beta: float, step: int, epochs: int
                ) -> tuple[dict[str, list[float]], int, int]:
         """PPO's update (step 6): ``epochs`` passes over the batch, a fresh shuffle each, in
@@ -298,7 +379,7 @@ class PPOTrainer:
         and the epochs run (``--target-kl`` may stop early)."""
         cfg, a = self.cfg, self.cfg.algo
         stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "clipfrac", "pg", "vf", "vf_clipfrac",
-                                                         "ratio", "ptx")}
+                                                         "ratio", "ptx", "dual_clipfrac")}
         skipped, epochs_done = 0, 0
         gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
         for _epoch in range(epochs):
@@ -307,7 +388,7 @@ class PPOTrainer:
             for mb in perm.split(cfg.minibatch_size):
                 for micro in mb.split(cfg.microbatch_size):
                     if exp.first_pass is not None:  # the rollout pass, with grad (rows in minibatch order)
-                        logp, ent, v = (x[micro] for x in exp.first_pass)
+                        logp, ent, v = (None if x is None else x[micro] for x in exp.first_pass)
                     else:
                         logp, ent, v = self.forward_train(
                             exp.roll.select(micro), a.entropy_coef > 0,
@@ -316,8 +397,8 @@ class PPOTrainer:
                             want_entropy=a.entropy_coef > 0)
                     m_ = exp.mask[micro]
                     pg_loss, pg = core.policy_loss(logp, exp.old_logprobs[micro], exp.advantages[micro], m_,
-                                                   a.clip_eps)
-                    vf_loss, vf = core.value_loss(v, exp.values[micro], exp.returns[micro], m_, a.vf_clip)
+                                                   a.clip_eps, clip_eps_high=a.clip_eps_high, dual_clip=a.dual_clip,
+                                                   loss_agg=a.loss_agg, agg_constant=cfg.generation.response_length)
                     loss = pg_loss
                     if cfg.kl.kl_in == "loss":  # always k3: the k1 gradient ignores the reference
                         loss = loss + beta * core.kl_loss(logp, exp.ref_logprobs[micro], m_)
@@ -327,13 +408,19 @@ class PPOTrainer:
                         ptx = self.ptx_loss(gen)
                         loss = loss + a.ptx_coef * ptx
                         stats["ptx"].append(ptx.item())
-                    # separate critic: its own graph and optimiser; shared trunk: weighted sum
-                    loss = loss + (a.vf_coef * vf_loss if self.value_head is not None else vf_loss)
+                    logged = [("approxkl", pg["approxkl"]), ("clipfrac", pg["clipfrac"]), ("pg", pg_loss),
+                              ("ratio", pg["ratio"])]
+                    if "dual_clipfrac" in pg:
+                        logged.append(("dual_clipfrac", pg["dual_clipfrac"]))
+                    if self.has_critic:
+                        vf_loss, vf = core.value_loss(v, exp.values[micro], exp.returns[micro], m_, a.vf_clip)
+                        # separate critic: its own graph and optimiser; shared trunk: weighted sum
+                        loss = loss + (a.vf_coef * vf_loss if self.value_head is not None else vf_loss)
+                        logged += [("vf", vf_loss), ("vf_clipfrac", vf["clipfrac"])]
                     (loss / a.grad_accum).backward()
                     self.actor.grads_to_master()  # bf16 models: accumulate in fp32, not in bf16
                     self.critic_weights.grads_to_master()
-                    for key, val in (("approxkl", pg["approxkl"]), ("clipfrac", pg["clipfrac"]), ("pg", pg_loss),
-                                     ("vf", vf_loss), ("vf_clipfrac", vf["clipfrac"]), ("ratio", pg["ratio"])):
+                    for key, val in logged:
                         stats[key].append(float(val.detach()) if torch.is_tensor(val) else float(val))
                     epoch_kl.append(float(pg["approxkl"]))
                 if not self.optimizer_step():
@@ -376,6 +463,8 @@ class PPOTrainer:
         """The critic's trained parameters (value head, or the critic's trained layers and head, and
         the value bias carried over from the reward model's normalisation)."""
         mod = self.value_head if self.value_head is not None else self.critic
+        if mod is None:  # critic-free estimators
+            return []
         named = [(n, p) for n, p in mod.named_parameters() if p.requires_grad]
         return named + ([("value_bias", self.value_bias)] if self.value_bias is not None else [])
 

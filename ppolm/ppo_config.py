@@ -11,6 +11,11 @@ from typing import Literal
 
 from ppolm.errors import FLOAT32_MAX, PPOLMError
 
+GROUP_ESTIMATORS = ("grpo", "dr-grpo", "rloo", "reinforce++-baseline")
+"""Estimators whose baseline is the other responses to the same prompt: they need --samples-per-prompt >= 2."""
+KL_IN_LOSS_ESTIMATORS = ("grpo", "dr-grpo", "rloo", "remax")
+"""Score-based estimators whose KL penalty goes into the loss (k3, as GRPO) under --kl-in auto."""
+
 
 @dataclass
 class ModelConfig:
@@ -126,6 +131,16 @@ class AlgoConfig:
     """PPO-ptx: weight of a language-modelling loss on --ptx-data mixed into the policy loss (InstructGPT)."""
     ptx_data: str | None = None
     """Plain-text corpus for PPO-ptx (.txt, one document per line, or .jsonl with a 'text' column)."""
+    advantage: Literal["gae", "grpo", "dr-grpo", "rloo", "reinforce++", "reinforce++-baseline", "remax"] = "gae"
+    """Advantage estimator: gae (PPO with a critic) or a critic-free one: grpo, dr-grpo, rloo, reinforce++-baseline (groups of --samples-per-prompt > 1), reinforce++, remax (a greedy response per prompt as baseline). Only gae builds, trains and saves a critic. See README, "PPO and its alternatives"."""
+    samples_per_prompt: int = 1
+    """Responses sampled per prompt (G): a step takes --batch-size / G prompts, each sampled G times, the G responses of a prompt adjacent and forming one group. Minibatches may split a group (the advantages are computed on the whole batch first)."""
+    loss_agg: Literal["auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "auto"
+    """How the per-token policy loss is reduced: token-mean (each token weighs the same), seq-mean-token-sum, seq-mean-token-mean (GRPO as published), seq-mean-token-sum-norm (token sum / (rows * --response-length), Dr. GRPO). auto: seq-mean-token-sum-norm for dr-grpo, token-mean otherwise."""
+    clip_eps_high: float | None = None
+    """Upper clip range of the ratio, 1 + this (clip-higher, DAPO uses 0.28 with --clip-eps 0.2). None = --clip-eps (symmetric)."""
+    dual_clip: float | None = None
+    """Dual-clip constant C > 1: where the advantage is negative the policy loss is capped at -C * A (Ye et al. 2020; 3 is common). None = off."""
 
 
 @dataclass
@@ -134,8 +149,8 @@ class KLConfig:
     """Initial KL coefficient beta (Huang et al. 2024 used 0.05)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL estimator of the reward penalty and the reported KL: k1 = logp - logp_ref (OpenAI), k2 = squared/2, k3 = exp(-x)-1+x (non-negative). With --kl-in loss the loss term uses k3 whatever this is."""
-    kl_in: Literal["reward", "loss"] = "reward"
-    """Fold the KL penalty into the per-token reward (InstructGPT), or add beta*KL to the policy loss. In the loss the KL is always the k3 estimator (as GRPO; Schulman, "Approximating KL divergence"): k1's gradient does not depend on the reference, so it would pull toward nothing. --kl-estimator then sets only the reported KL (objective/kl) and the adaptive controller's input."""
+    kl_in: Literal["auto", "reward", "loss"] = "auto"
+    """auto: in the reward for gae, reinforce++ and reinforce++-baseline, in the loss for grpo, dr-grpo, rloo and remax (as GRPO); config.yaml records the choice. reward: fold the KL penalty into the per-token reward (InstructGPT; for the score-based estimators the score becomes score - beta * sequence KL); loss: add beta*KL to the policy loss. In the loss the KL is always the k3 estimator (as GRPO; Schulman, "Approximating KL divergence"): k1's gradient does not depend on the reference, so it would pull toward nothing. --kl-estimator then sets only the reported KL (objective/kl) and the adaptive controller's input."""
     adaptive_kl: bool = True
     """Adapt beta to keep KL near --kl-target (Ziegler et al. 2019); off = fixed beta."""
     kl_target: float = 6.0
@@ -240,10 +255,36 @@ class PPOConfig:
         need(not (self.model.critic == "shared" and self.model.lora_r > 0),
              "--critic shared with --lora-r > 0 is not supported; use --critic separate")
         need(not (self.run.resume and self.run.overwrite), "--resume and --overwrite exclude each other; pick one")
+        spp = a.samples_per_prompt
+        need(spp >= 1, f"--samples-per-prompt must be at least 1; got {spp}")
+        need(a.batch_size % spp == 0, f"--batch-size {a.batch_size} is not divisible by --samples-per-prompt {spp}; "
+             f"use a multiple of {spp} such as {spp * max(1, a.batch_size // spp)}")
+        need(spp > 1 or a.advantage not in GROUP_ESTIMATORS,
+             f"--advantage {a.advantage} compares the responses to one prompt: give --samples-per-prompt 2 or more "
+             "(e.g. 4)")
+        need(a.advantage != "remax" or g.top_k != 1,
+             "--advantage remax with --top-k 1 samples the greedy response itself (advantage 0); use --top-k 0 "
+             "or > 1")
+        need(a.clip_eps_high is None or a.clip_eps_high > 0, f"--clip-eps-high must be > 0; got {a.clip_eps_high}")
+        need(a.dual_clip is None or a.dual_clip > 1, f"--dual-clip must be > 1; got {a.dual_clip}")
         need(self.run.eval_prompts is not None or not (self.run.eval_reward_fn or self.run.best_metric),
              "--eval-reward-fn and --best-metric need --eval-prompts FILE")
         need(not (g.ignore_eos and r.missing_eos_penalty is not None),
              "--missing-eos-penalty with --ignore-eos would penalise every response; drop one of them")
+
+    def resolve(self) -> None:
+        """Replace the "auto" choices by what they mean for this estimator (before the run saves its
+        config.yaml): --kl-in and --loss-agg."""
+        a, k = self.algo, self.kl
+        if k.kl_in == "auto":
+            k.kl_in = "loss" if a.advantage in KL_IN_LOSS_ESTIMATORS else "reward"
+        if a.loss_agg == "auto":
+            a.loss_agg = "seq-mean-token-sum-norm" if a.advantage == "dr-grpo" else "token-mean"
+
+    @property
+    def needs_critic(self) -> bool:
+        """Only GAE learns a value function; the other estimators build no critic at all."""
+        return self.algo.advantage == "gae"
 
     @property
     def minibatch_size(self) -> int:

@@ -2,7 +2,8 @@
 
 Names follow TRL's PPOTrainer and OpenAI's lm-human-preferences, so runs compare (README,
 docs/details.md): ``objective/*`` (KL, its coefficient, entropy, scores, the RLHF reward),
-``policy/*``, ``loss/*``, ``val/*`` (the critic), ``adv/var``, ``response/length_mean``, the
+``policy/*``, ``loss/*``, ``val/*`` (the critic: absent, as ``loss/value_avg`` and ``lr/critic``,
+for the critic-free estimators), ``adv/var``, ``response/length_mean``, the
 learning rates, ``guard/skipped_updates``, ``time/*`` and one ``reward/<source>`` per source.
 """
 
@@ -18,11 +19,11 @@ from ppolm import rollout as ro
 
 
 def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[str, torch.Tensor], *, eos_id: int,
-                 beta: float, adv_var: float, lr: float, critic_lr: float, epochs: int, skipped_total: int,
+                 beta: float, adv_var: float, lr: float, critic_lr: float | None, epochs: int, skipped_total: int,
                  times: tuple[float, float, float, float]) -> dict[str, Any]:
     """One PPO iteration's metrics row (names as TRL's PPOTrainer logs them, see docs/details.md);
     ``stats``: the update's per-microbatch values; ``times``: when the step, and its score and
-    train phases, began and when the update ended."""
+    train phases, began and when the update ended. ``critic_lr`` None: no critic, no value metrics."""
     roll, mask = exp.roll, exp.mask
 
     def avg(xs: list[float]) -> float:
@@ -60,6 +61,11 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
         "time/train_s": t_train - t_score,
         "time/step_s": time.perf_counter() - t_start,
     }
+    if critic_lr is None:
+        for k in ("loss/value_avg", "val/clipfrac_avg", "val/vf_explained_var", "lr/critic"):
+            del metrics[k]
+    if stats["dual_clipfrac"]:
+        metrics["policy/dual_clipfrac_avg"] = avg(stats["dual_clipfrac"])
     if stats["ptx"]:
         metrics["loss/ptx_avg"] = avg(stats["ptx"])
     for name, s in parts.items():

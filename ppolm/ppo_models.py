@@ -29,7 +29,8 @@ class PPOModels:
     """A :class:`ppolm.rewards.Rewarder`: frozen reward models and/or reward functions."""
     critic: torch.nn.Module | None = None
     """A separate value model: a :class:`ppolm.critic.TrunkCritic` (its top layers on a frozen trunk,
-    read by ``tap``) or a whole scalar model; None with ``--critic shared``."""
+    read by ``tap``) or a whole scalar model; None with ``--critic shared`` and without a critic
+    (``--advantage`` other than gae)."""
     value_head: torch.nn.Linear | None = None
     """``--critic shared``: a zero-initialised value head on the policy's trunk."""
     tap: Any = None
@@ -68,7 +69,8 @@ def build(cfg: PPOConfig, tokenizer: Any, model_dir: Path, functions: list[Any],
     rewarder = Rewarder(rms, functions, model_weight=cfg.reward.reward_model_weight,
                         ensemble_rule=cfg.reward.reward_ensemble)
     built = PPOModels(policy, reference, rewarder)
-    build_critic(built, cfg, tokenizer, model_dir, load)
+    if cfg.needs_critic:  # the critic-free estimators (--advantage other than gae) build none
+        build_critic(built, cfg, tokenizer, model_dir, load)
     return built
 
 

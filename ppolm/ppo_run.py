@@ -169,12 +169,15 @@ def keep_best(trainer: Any, updates: int, metrics: dict[str, Any]) -> None:
 def state(trainer: Any, next_step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors = dict(trainer.trained_parameters())
     ta, ma = checkpoint.optimizer_state(trainer.actor_opt, "actor_opt")
-    tc, mc = checkpoint.optimizer_state(trainer.critic_opt, "critic_opt")
     tr, mr = checkpoint.rng_state()
-    tensors.update(ta | tc | tr)
-    meta = {"next_step": next_step, "kl_ctl": trainer.kl_ctl.state_dict(), "actor_opt": ma, "critic_opt": mc,
-            "actor_sched": trainer.actor_sched.state_dict(), "critic_sched": trainer.critic_sched.state_dict(),
+    tensors.update(ta | tr)
+    meta = {"next_step": next_step, "kl_ctl": trainer.kl_ctl.state_dict(), "actor_opt": ma,
+            "actor_sched": trainer.actor_sched.state_dict(),
             "rng": mr, "skipped_total": trainer.skipped_total, "consecutive_skips": trainer.consecutive_skips}
+    if trainer.critic_opt is not None:  # the critic-free estimators have none
+        tc, mc = checkpoint.optimizer_state(trainer.critic_opt, "critic_opt")
+        tensors.update(tc)
+        meta.update(critic_opt=mc, critic_sched=trainer.critic_sched.state_dict())
     return tensors, meta
 
 
@@ -185,9 +188,10 @@ def load_state(trainer: Any, tensors: dict[str, torch.Tensor], meta: dict[str, A
     trainer.actor.copy_to_model()
     trainer.critic_weights.copy_to_model()
     checkpoint.load_optimizer_state(trainer.actor_opt, "actor_opt", tensors, meta["actor_opt"])
-    checkpoint.load_optimizer_state(trainer.critic_opt, "critic_opt", tensors, meta["critic_opt"])
     trainer.actor_sched.load_state_dict(meta["actor_sched"])
-    trainer.critic_sched.load_state_dict(meta["critic_sched"])
+    if trainer.critic_opt is not None:
+        checkpoint.load_optimizer_state(trainer.critic_opt, "critic_opt", tensors, meta["critic_opt"])
+        trainer.critic_sched.load_state_dict(meta["critic_sched"])
     trainer.kl_ctl.load_state_dict(meta["kl_ctl"])
     trainer.skipped_total, trainer.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
     checkpoint.set_rng_state(tensors, meta["rng"])
@@ -200,7 +204,8 @@ def save_checkpoint(trainer: Any, next_step: int) -> None:
 
 
 def save_outputs(trainer: Any) -> None:
-    """policy/ and critic/ in Hugging Face format (safetensors), loadable by plain transformers."""
+    """policy/ and critic/ in Hugging Face format (safetensors), loadable by plain transformers; no
+    critic/ for the critic-free estimators."""
     from ppolm.models import save_pretrained
 
     bad = checkpoint.first_non_finite(trainer.trained_parameters())
@@ -222,6 +227,8 @@ def save_outputs(trainer: Any) -> None:
         trainer.policy = policy
     with checkpoint.atomic_dir(trainer.out / "policy") as tmp:
         save_pretrained(policy, trainer.tokenizer, tmp)
+    if not trainer.has_critic:
+        return
     with checkpoint.atomic_dir(trainer.out / "critic") as tmp:
         if trainer.tap is not None:  # top layers on a frozen trunk: saved as one whole model
             src, _ = trainer.critic_source

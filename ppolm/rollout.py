@@ -79,7 +79,8 @@ class Experience:
     entropy: torch.Tensor | None
     """(B, R) the rollout policy's entropy per token (for the metric), or None."""
     values: torch.Tensor
-    """(B, R) the critic's values before each response token, 0 on padding."""
+    """(B, R) the critic's values before each response token, 0 on padding; all 0 without a critic
+    (``--advantage`` other than gae)."""
     scores: torch.Tensor
     """(B,) the reward: the sources' total with the missing-EOS and length penalties."""
     kl: torch.Tensor
@@ -89,9 +90,11 @@ class Experience:
     rewards: torch.Tensor
     """(B, R) per-token rewards: -beta * kl, plus the score on each response's last real token."""
     advantages: torch.Tensor
-    """(B, R) GAE advantages (whitened over the batch when asked)."""
+    """(B, R) GAE advantages (whitened over the batch when asked), or those of the ``--advantage``
+    estimator (:meth:`ppolm.ppo.PPOTrainer.critic_free_advantages`)."""
     returns: torch.Tensor
-    """(B, R) value targets: the unwhitened advantages plus the values."""
+    """(B, R) value targets: the unwhitened advantages plus the values (the advantages themselves
+    without a critic, unused)."""
     critic_input: torch.Tensor | None = None
     """(B, P + R, d) the frozen trunk's hidden state that feeds a top-layers critic, or None."""
     policy_entering: torch.Tensor | None = None
@@ -168,7 +171,7 @@ def small_batch_linears(model: torch.nn.Module) -> Iterator[None]:
 @torch.no_grad()
 def generate(policy: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, eos_id: int, max_new_tokens: int,
              temperature: float, top_p: float = 1.0, top_k: int = 0, ignore_eos: bool = False,
-             share_prefix: bool = True) -> Rollout:
+             share_prefix: bool = True, greedy: bool = False) -> Rollout:
     """Sample one response per prompt with the KV cache, then mask after EOS.
 
     ppolm's own decode loop over the model's forward (any Hugging Face causal LM that returns a
@@ -177,14 +180,15 @@ def generate(policy: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, 
     per step on a 49k vocabulary on a CPU). Top-k and top-p filter as Hugging Face's warpers do.
     Stops when every row has emitted EOS. With ``ignore_eos`` EOS is never drawn and every response
     is exactly ``max_new_tokens`` long (TRL's PPO trainer without a stop token), which makes the
-    work per step fixed for benchmarks.
+    work per step fixed for benchmarks. ``greedy``: the most likely token at each step (argmax, no
+    random draw; top-k/top-p ignored), as ReMax's baseline response.
     """
     device = next(policy.parameters()).device
     query, query_mask = left_pad(prompts, pad_id, device)
     with small_batch_linears(policy):
         response, sample_logprobs = _decode(policy, query, query_mask, eos_id=eos_id, pad_id=pad_id, max_new_tokens=max_new_tokens,
                            temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=ignore_eos,
-                           share_prefix=share_prefix)
+                           share_prefix=share_prefix, greedy=greedy)
     if ignore_eos:
         mask = torch.ones_like(response)
         ended = torch.zeros(response.shape[0], dtype=torch.bool, device=device)
@@ -195,7 +199,7 @@ def generate(policy: torch.nn.Module, prompts: list[list[int]], *, pad_id: int, 
 
 def _decode(policy: torch.nn.Module, query: torch.Tensor, query_mask: torch.Tensor, *, eos_id: int, pad_id: int,
             max_new_tokens: int, temperature: float, top_p: float, top_k: int, ignore_eos: bool,
-            share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            share_prefix: bool = True, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, N) sampled ids, N <= max_new_tokens, PAD after a row's EOS; and (B, N) their log-probs
     under logits / temperature."""
     b = query.shape[0]
@@ -219,7 +223,7 @@ def _decode(policy: torch.nn.Module, query: torch.Tensor, query_mask: torch.Tens
         logits = output_logits(policy, out.last_hidden_state[:, -1], head_w)
         if ignore_eos:
             logits[:, eos_id] = -math.inf
-        tok = sample_next(logits, temperature, top_p, top_k)
+        tok = logits.argmax(-1) if greedy else sample_next(logits, temperature, top_p, top_k)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         tokens.append(tok)
         logps.append(core.logprobs_from_logits(logits, tok, temperature))

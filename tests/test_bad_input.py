@@ -262,6 +262,15 @@ CASES = [
     ("batch-not-divisible", lambda i, t: {"batch_size": 6, "minibatches": 4},
      r"--batch-size 6 is not divisible by --minibatches 4; choose a divisor such as 3"),
     ("ptx-without-data", lambda i, t: {"ptx_coef": 0.5}, r"--ptx-coef > 0 needs --ptx-data FILE"),
+    # --- advantage estimators
+    ("group-estimator-one-sample", lambda i, t: {"advantage": "grpo"},
+     r"--advantage grpo compares the responses to one prompt: give --samples-per-prompt 2 or more"),
+    ("batch-not-divisible-by-samples", lambda i, t: {"advantage": "rloo", "samples_per_prompt": 3},
+     r"--batch-size 4 is not divisible by --samples-per-prompt 3; use a multiple of 3 such as 3"),
+    ("remax-top-k-1", lambda i, t: {"advantage": "remax", "top_k": 1},
+     r"--advantage remax with --top-k 1 samples the greedy response itself"),
+    ("dual-clip-not-above-1", lambda i, t: {"dual_clip": 1.0}, r"--dual-clip must be > 1; got 1\.0"),
+    ("clip-eps-high-not-positive", lambda i, t: {"clip_eps_high": 0}, r"--clip-eps-high must be > 0; got 0"),
     ("config-yaml-syntax", lambda i, t: {"config": i.write("y.yaml", "steps: 3\nalgo: [\n")},
      r"y\.yaml is not valid YAML at line \d+; fix the syntax"),
     ("config-yaml-not-mapping", lambda i, t: {"config": i.write("m.yaml", "- steps\n- 3\n")},
@@ -320,7 +329,8 @@ def test_remote_code_is_not_run_without_trust(inputs, tmp_path, capsys):
 
 def test_unknown_cli_option_and_bad_choice_exit_2(inputs, tmp_path, capsys):
     for extra, expect in ((["--bogus-option", "1"], "unrecognized arguments: --bogus-option"),
-                          (["--precision", "fp8"], "invalid choice: 'fp8'")):
+                          (["--precision", "fp8"], "invalid choice: 'fp8'"),
+                          (["--advantage", "ppo2"], "invalid choice: 'ppo2'")):
         with pytest.raises(SystemExit) as e:
             main(["ppo", "--output-dir", str(tmp_path / "x"), *extra])
         err = capsys.readouterr().err
@@ -336,6 +346,9 @@ SUBPROCESS_CASES = [
     ("reward-raises", lambda i, t: {"reward_fn": f"{i.rewards}:boom"}, r"reward function 'boom' raised ValueError"),
     ("unknown-config-key", lambda i, t: {"config": i.write("sp.yaml", "kl_coeff: 0.1\n")},
      r"unknown config key 'kl_coeff'; did you mean 'kl_coef'\?"),
+    ("group-estimator-one-sample", lambda i, t: {"advantage": "dr-grpo", "samples_per_prompt": 1},
+     r"--advantage dr-grpo compares the responses to one prompt"),
+    ("dual-clip-not-above-1", lambda i, t: {"dual_clip": 0.5}, r"--dual-clip must be > 1; got 0\.5"),
 ]
 
 
