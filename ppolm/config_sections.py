@@ -18,13 +18,19 @@ from typing import Literal
 
 
 @dataclass
-class ModelLoading:
-    """Where models run, in which precision, and which model files may run code."""
+class DeviceOptions:
+    """Where models run, and in which precision."""
 
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16: fp32 master weights with bf16 autocast; fp32: everything in float32."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device: auto picks cuda when available."""
+
+
+@dataclass
+class ModelLoading(DeviceOptions):
+    """Device and precision, and which model files may run code when loaded."""
+
     trust_remote_code: bool = False
     """Allow model code shipped inside a model directory to run."""
     allow_pickle: bool = False
