@@ -32,9 +32,9 @@ class ModelLoading(DeviceOptions):
     """Device and precision, and which model files may run code when loaded."""
 
     trust_remote_code: bool = False
-    """Allow model code shipped inside a model directory to run."""
+    """Allow model code shipped inside a model directory to run (off: only transformers' own code runs)."""
     allow_pickle: bool = False
-    """Accept pickle-based weights (.bin/.pt), which can run arbitrary code when loaded."""
+    """Accept pickle-based weights (.bin/.pt), which can run arbitrary code when loaded. Off: safetensors only."""
 
 
 @dataclass

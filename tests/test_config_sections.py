@@ -130,3 +130,36 @@ def test_saved_keys_are_unchanged(cls):
     # a file with every old key builds; the values round-trip
     cfg2 = config.build(cls, config.flatten_overrides(cls, config.to_dict(cfg), "x"))
     assert config.to_dict(cfg2) == config.to_dict(cfg)
+
+
+# ppo_config.yaml's model section as written before ModelConfig took the shared options.
+OLD_PPO_MODEL_SECTION = """\
+model:
+  model: smollm2-135m-instruct
+  critic: separate
+  critic_init: reward
+  critic_zero_head: false
+  critic_layers: 4
+  share_trunk: true
+  share_prefix: true
+  lora_r: 4
+  lora_alpha: 16.0
+  lora_target: q_proj,v_proj
+  device: cpu
+  precision: fp32
+  trust_remote_code: false
+  allow_pickle: true
+"""
+
+
+def test_ppo_model_section_keeps_its_saved_shape():
+    from ppolm.ppo_config import PPOConfig
+
+    saved = yaml.safe_load(OLD_PPO_MODEL_SECTION)
+    overrides = config.flatten_overrides(PPOConfig, {**saved, "reward_fn": ["m:f"]}, "ppo")
+    cfg = config.build(PPOConfig, overrides)
+    assert (cfg.model.lora_r, cfg.model.lora_alpha, cfg.model.lora_target, cfg.model.allow_pickle) == \
+        (4, 16.0, "q_proj,v_proj", True)
+    now = config.to_dict(cfg)
+    assert now["model"] == saved["model"]  # same nested keys and values
+    assert runtime.ppo_config_difference(saved, now) == ""
