@@ -1,14 +1,15 @@
 """Option groups that several commands share, each field and its ``--help`` line written once.
 
-A command's config inherits the groups it needs (``class SFTConfig(ModelLoading, ...)``), so its
-fields stay flat: ``cfg.lora_r`` in Python, ``--lora-r`` on the command line, ``lora_r:`` in the
+A command's config inherits the groups it needs (``class RewardTrainConfig(TrainRunControl,
+ModelLoading, LoRAOptions, ...)``; sft and dpo through :class:`PolicyTrainOptions`), so its fields
+stay flat: ``cfg.lora_r`` in Python, ``--lora-r`` on the command line, ``lora_r:`` in the
 saved YAML. A field whose meaning differs per command (``model``, ``data``, ``output_dir``,
 ``lr``, ``epochs``, ``batch_size``) is declared in the command's own class; a command that needs a
 shared field with another default or a more specific help line redeclares it there (the
 redeclaration wins, in the dataclass and in :func:`ppolm.config.field_docs`).
 
 ``--help`` lists a command's own fields first, then the inherited ones (see
-:func:`ppolm.config.leaf_fields`).
+:func:`ppolm.config.ordered_fields`).
 """
 
 from __future__ import annotations
@@ -106,3 +107,10 @@ class TrainRunControl:
     """Abort after this many consecutive updates skipped for a non-finite (NaN/inf) loss or gradient."""
     quiet: bool = False
     """No progress bar; one log line per epoch instead."""
+
+
+@dataclass
+class PolicyTrainOptions(TrainRunControl, ModelLoading, PolicyLoRAOptions, TextEncoding, OptimiserOptions,
+                         HeldOutSplit):
+    """Every shared option of a command that trains a policy (sft, dpo). The bases' order sets the
+    order of these options in ``--help`` (the last base's first)."""

@@ -29,14 +29,7 @@ from typing import Any, Literal
 import torch
 
 from ppolm import core, runtime, sft, trainloop
-from ppolm.config_sections import (
-    HeldOutSplit,
-    ModelLoading,
-    OptimiserOptions,
-    PolicyLoRAOptions,
-    TextEncoding,
-    TrainRunControl,
-)
+from ppolm.config_sections import PolicyTrainOptions
 from ppolm.errors import PPOLMError
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -45,8 +38,7 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 
 @dataclass
-class DPOConfig(TrainRunControl, ModelLoading, PolicyLoRAOptions, TextEncoding, OptimiserOptions,
-                HeldOutSplit):
+class DPOConfig(PolicyTrainOptions):
     """Everything a DPO run needs; ``train_dpo(config.build(DPOConfig, {...}))`` from Python."""
 
     model: str = "smollm2-135m-instruct"

@@ -25,14 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ppolm import checkpoint
-from ppolm.config_sections import (
-    HeldOutSplit,
-    ModelLoading,
-    OptimiserOptions,
-    PolicyLoRAOptions,
-    TextEncoding,
-    TrainRunControl,
-)
+from ppolm.config_sections import PolicyTrainOptions
 from ppolm.errors import PPOLMError
 from ppolm.runtime import RUN_CONTROL, config_difference, prepare_output_dir, write_config  # noqa: F401  (shared)
 from ppolm.trainloop import (  # noqa: F401  (the loop and helpers shared with reward and dpo, importable here too)
@@ -50,8 +43,7 @@ from ppolm.trainloop import (  # noqa: F401  (the loop and helpers shared with r
 
 
 @dataclass
-class SFTConfig(TrainRunControl, ModelLoading, PolicyLoRAOptions, TextEncoding, OptimiserOptions,
-                HeldOutSplit):
+class SFTConfig(PolicyTrainOptions):
     """Everything an SFT run needs; ``train_sft(config.build(SFTConfig, {...}))`` from Python."""
 
     model: str = "smollm2-135m-instruct"

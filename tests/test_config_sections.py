@@ -56,8 +56,8 @@ def test_each_shared_docstring_is_in_the_help_of_every_command_that_inherits_it(
 
 def test_sections_write_each_docstring_once():
     for section in SECTIONS:
-        declared = inspect.get_annotations(section)
-        assert declared and set(declared) <= set(config.field_docs(section)), section
+        declared = inspect.get_annotations(section)  # none in a group of groups (PolicyTrainOptions)
+        assert set(declared) <= set(config.field_docs(section)), section
     names = [n for s in SECTIONS for n in inspect.get_annotations(s)]
     assert len(names) == len(set(names))
 
