@@ -3,7 +3,9 @@
 Every command's options come from one dataclass (e.g. :class:`ppolm.ppo.PPOConfig`), made of
 sections (``ModelConfig``, ``KLConfig``, ...). Field names are unique across sections, so each
 is one flat CLI option (``lora_r`` -> ``--lora-r``) and one YAML key, either flat or nested under
-its section name. Precedence: defaults < ``--config FILE.yaml`` < command line.
+its section name. Options that several commands share are declared once, in
+:mod:`ppolm.config_sections`, and inherited. Precedence: defaults < ``--config FILE.yaml`` <
+command line.
 """
 
 from __future__ import annotations
