@@ -3,12 +3,15 @@
 Every command's options come from one dataclass (e.g. :class:`ppolm.ppo.PPOConfig`), made of
 sections (``ModelConfig``, ``KLConfig``, ...). Field names are unique across sections, so each
 is one flat CLI option (``lora_r`` -> ``--lora-r``) and one YAML key, either flat or nested under
-its section name. Precedence: defaults < ``--config FILE.yaml`` < command line.
+its section name. Options that several commands share are declared once, in
+:mod:`ppolm.config_sections`, and inherited. Precedence: defaults < ``--config FILE.yaml`` <
+command line.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -52,15 +55,24 @@ def sections(cfg_cls: type) -> dict[str, type]:
             if dataclasses.is_dataclass(t := _hints(cfg_cls)[f.name])}
 
 
+def ordered_fields(cls: type) -> list[dataclasses.Field]:
+    """A config class's fields in ``--help`` and YAML order: those its own body declares (or
+    redeclares) first, as written, then the inherited ones (:mod:`ppolm.config_sections`) in
+    dataclass order. A dataclass alone would list inherited fields first."""
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    own = [by_name[n] for n in inspect.get_annotations(cls) if n in by_name]
+    return own + [f for f in by_name.values() if f not in own]
+
+
 def leaf_fields(cfg_cls: type) -> dict[str, tuple[str | None, dataclasses.Field, Any]]:
     """Flat option name -> (section or None, field, type) for every leaf field."""
     out: dict[str, tuple[str | None, dataclasses.Field, Any]] = {}
     hints = _hints(cfg_cls)
-    for f in dataclasses.fields(cfg_cls):
+    for f in ordered_fields(cfg_cls):
         t = hints[f.name]
         if dataclasses.is_dataclass(t):
             sub = _hints(t)
-            for g in dataclasses.fields(t):
+            for g in ordered_fields(t):
                 assert g.name not in out, f"duplicate option name {g.name}"
                 out[g.name] = (f.name, g, sub[g.name])
         else:
@@ -204,7 +216,9 @@ def build(cfg_cls: type, overrides: dict[str, Any], where: str = "") -> Any:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The config as plain data (sections as nested mappings), keys in :func:`ordered_fields` order."""
+    return {f.name: to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else copy.deepcopy(v)
+            for f in ordered_fields(type(cfg))}
 
 
 def add_arguments(parser: Any, cfg_cls: type) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from ppolm import core, runtime, sft, trainloop
+from ppolm.config_sections import PolicyTrainOptions
 from ppolm.errors import PPOLMError
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -37,7 +38,7 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(PolicyTrainOptions):
     """Everything a DPO run needs; ``train_dpo(config.build(DPOConfig, {...}))`` from Python."""
 
     model: str = "smollm2-135m-instruct"
@@ -46,8 +47,6 @@ class DPOConfig:
     """Preference pairs, in the format of `ppolm reward`: .jsonl/.json/.parquet/.csv or a saved datasets directory with 'prompt', 'chosen', 'rejected' (text, or chat lists ending with the assistant turn)."""
     eval_data: str | None = None
     """Held-out pairs for the eval/ metrics; default: a seeded --eval-fraction of --data."""
-    eval_fraction: float = 0.1
-    """Fraction of --data held out when --eval-data is not given (0 = no eval)."""
     output_dir: str = "runs/dpo"
     """Where the trained policy (Hugging Face format, with tokenizer), metrics.jsonl and dpo_config.yaml go."""
     epochs: int = 1
@@ -56,52 +55,14 @@ class DPOConfig:
     """Pairs per optimiser step."""
     lr: float = 1e-6
     """AdamW learning rate (full fine-tuning; LoRA wants ~10-100x more)."""
-    lr_schedule: Literal["constant", "linear"] = "linear"
-    """Constant, or linear decay to 0 over the run."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping (global norm)."""
-    max_length: int = 512
-    """Longest prompt+response in tokens; longer responses are cut."""
     beta: float = 0.1
     """KL strength: the implicit reward is beta * (log pi - log pi_ref); smaller lets the policy move further from the reference."""
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid: DPO's -log sigmoid(beta * h); ipo: (h - 1/(2 beta))^2 on per-token average log-probs (as TRL), h = the chosen-minus-rejected log-ratio gap."""
     label_smoothing: float = 0.0
     """Conservative DPO: the assumed probability that a pair's label is flipped, in [0, 0.5) (sigmoid only)."""
-    chat_template: bool = True
-    """Apply the tokenizer's chat template to text prompts (messages always use it), as `ppolm ppo` does."""
     lora_r: int = 0
     """LoRA rank (peft); 0 = full fine-tuning. With LoRA the reference is the model with the adapter disabled."""
-    lora_alpha: float = 32.0
-    """LoRA scaling alpha."""
-    lora_target: str = "all-linear"
-    """LoRA target modules (peft syntax: 'all-linear' or comma-separated module names)."""
-    merge_lora: bool = True
-    """With LoRA, save the merged full model (loadable by `ppolm ppo --model`); off: save only the adapter."""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """bf16: fp32 master weights with bf16 autocast; fp32: everything in float32."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device: auto picks cuda when available."""
-    seed: int = 0
-    """Random seed (data split, shuffling, LoRA init)."""
-    save_every: int = 50
-    """Write a resumable checkpoint every N optimiser steps (and at the end, and on Ctrl-C/SIGTERM)."""
-    keep_last: int = 2
-    """Keep only the newest K checkpoints."""
-    resume: bool = False
-    """Continue from the newest valid checkpoint in --output-dir (same options as the run it continues)."""
-    overwrite: bool = False
-    """Allow writing into an --output-dir that already holds files (they are replaced once the data and model have loaded)."""
-    max_skipped_updates: int = 3
-    """Abort after this many consecutive updates skipped for a non-finite (NaN/inf) loss or gradient."""
-    quiet: bool = False
-    """No progress bar; one log line per epoch instead."""
-    trust_remote_code: bool = False
-    """Allow model code shipped inside a model directory to run."""
-    allow_pickle: bool = False
-    """Accept pickle-based weights (.bin/.pt), which can run arbitrary code when loaded."""
 
     def validate(self) -> None:
         trainloop.check_common(self)

@@ -21,11 +21,12 @@ from typing import Any, Literal
 
 import torch
 
+from ppolm.config_sections import DeviceOptions, ModelLoading
 from ppolm.errors import PPOLMError
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(ModelLoading):
     """Options of ``ppolm eval``; ``evaluate(config.build(EvalConfig, {...}))`` from Python."""
 
     policy: list[str] = field(default_factory=list)
@@ -62,12 +63,6 @@ class EvalConfig:
     """Random seed; every policy samples with the same seed."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 autocast (as PPO's rollouts) or fp32."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device: auto picks cuda when available."""
-    trust_remote_code: bool = False
-    """Allow model code shipped inside a model directory to run."""
-    allow_pickle: bool = False
-    """Accept pickle-based weights (.bin/.pt)."""
 
     def validate(self) -> None:
         if self.max_prompts < 0 or self.samples_per_prompt < 1 or self.response_length < 1 or self.batch_size < 1:
@@ -80,7 +75,7 @@ class EvalConfig:
 
 
 @dataclass
-class RewardEvalConfig:
+class RewardEvalConfig(DeviceOptions):
     """Options of ``ppolm reward-eval``."""
 
     reward_model: str | None = None
@@ -99,8 +94,6 @@ class RewardEvalConfig:
     """Also write the figures to this JSON file."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 (as PPO scores) or fp32."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device: auto picks cuda when available."""
 
     def validate(self) -> None:
         if self.reward_model is None or self.data is None:

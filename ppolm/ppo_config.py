@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ppolm.config_sections import LoRAOptions, ModelLoading
 from ppolm.errors import FLOAT32_MAX, PPOLMError
 
 GROUP_ESTIMATORS = ("grpo", "dr-grpo", "rloo", "reinforce++-baseline")
@@ -18,7 +19,9 @@ KL_IN_LOSS_ESTIMATORS = ("grpo", "dr-grpo", "rloo", "remax")
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(ModelLoading, LoRAOptions):
+    """The policy and its critic; the model-loading and LoRA options are shared with sft/reward/dpo."""
+
     model: str = "smollm2-135m-instruct"
     """Policy to train: a Hugging Face model directory, a .gguf file, or an embedded model name. The frozen reference is a copy of it."""
     critic: Literal["separate", "shared"] = "separate"
@@ -35,18 +38,8 @@ class ModelConfig:
     """Run the prompts' common beginning (a chat template's system prompt, a shared instruction) once per forward pass, at batch size 1, the rest of each row attending to it through the key/value cache; results unchanged up to float rounding (ppolm/prefix.py). false = every row in full."""
     lora_r: int = 0
     """LoRA rank for the policy (peft); 0 = full fine-tuning. With LoRA the reference is the policy with its adapter disabled (no second copy)."""
-    lora_alpha: float = 32.0
-    """LoRA scaling alpha."""
-    lora_target: str = "all-linear"
-    """LoRA target modules (peft syntax: 'all-linear' or comma-separated module names)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device: auto picks cuda when available."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16: fp32 master weights with bf16 autocast, frozen models stored in bf16 (2x faster on GPUs and CPUs with AMX/AVX512-BF16; 3-5x slower where bf16 is emulated). fp32: everything in float32. auto: bf16 where native, else fp32."""
-    trust_remote_code: bool = False
-    """Allow model code shipped inside a model directory to run (off: only transformers' own code runs)."""
-    allow_pickle: bool = False
-    """Accept pickle-based weights (.bin/.pt), which can run arbitrary code when loaded. Off: safetensors only."""
 
 
 @dataclass

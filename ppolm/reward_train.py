@@ -26,11 +26,19 @@ from typing import Any, Literal
 import torch
 
 from ppolm import core, models, runtime, sft, trainloop
+from ppolm.config_sections import (
+    HeldOutSplit,
+    LoRAOptions,
+    ModelLoading,
+    OptimiserOptions,
+    TextEncoding,
+    TrainRunControl,
+)
 from ppolm.errors import PPOLMError
 
 
 @dataclass
-class RewardTrainConfig:
+class RewardTrainConfig(TrainRunControl, ModelLoading, LoRAOptions, TextEncoding, OptimiserOptions, HeldOutSplit):
     """Everything a reward-model run needs; ``train_reward(config.build(RewardTrainConfig, {...}))``."""
 
     model: str = "smollm2-135m-instruct"
@@ -39,8 +47,6 @@ class RewardTrainConfig:
     """Preference pairs: .jsonl/.json/.parquet/.csv or a saved datasets directory with 'prompt', 'chosen', 'rejected' (text, or chat lists ending with the assistant turn; 'prompt' may be omitted when chosen/rejected are whole conversations)."""
     eval_data: str | None = None
     """Held-out pairs for accuracy and loss; default: a seeded --eval-fraction of --data."""
-    eval_fraction: float = 0.1
-    """Fraction of --data held out when --eval-data is not given (0 = no eval)."""
     output_dir: str = "runs/reward"
     """Where the reward model (Hugging Face sequence-classification format, with tokenizer), ppolm_reward.json and metrics.jsonl go."""
     epochs: int = 1
@@ -49,14 +55,6 @@ class RewardTrainConfig:
     """Pairs per optimiser step."""
     lr: float = 1e-4
     """AdamW learning rate (for the default --train-layers 2; full fine-tuning wants ~1e-5)."""
-    lr_schedule: Literal["constant", "linear"] = "linear"
-    """Constant, or linear decay to 0 over the run (--resume then needs the same --epochs; a constant schedule lets --resume add epochs)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping (global norm)."""
-    max_length: int = 512
-    """Longest prompt+response in tokens; longer responses are cut."""
     margin_column: str | None = "margin"
     """Column whose value is subtracted inside the loss, sigmoid(r_c - r_r - margin) (Llama 2), when the data has it; none = ignore."""
     center_coef: float = 0.0
@@ -69,10 +67,6 @@ class RewardTrainConfig:
     """With --train-layers N (no LoRA), run the frozen lower layers once per distinct text and train the top N on their cached output: epochs after the first, and texts shared by several pairs (K-way rankings), cost only the top layers. Off: recompute every step. Skipped when the cache would exceed 1 GiB."""
     lora_r: int = 0
     """LoRA rank (peft) on all layers instead of --train-layers; 0 = off. The head is always trained in full."""
-    lora_alpha: float = 32.0
-    """LoRA scaling alpha."""
-    lora_target: str = "all-linear"
-    """LoRA target modules (peft syntax)."""
     chat_template: bool = True
     """Apply the tokenizer's chat template to text prompts, as `ppolm ppo` does before scoring."""
     normalize: bool = True
@@ -89,28 +83,8 @@ class RewardTrainConfig:
     """Max new tokens per normalisation sample (match `ppolm ppo --response-length`)."""
     norm_temperature: float = 0.7
     """Sampling temperature of the normalisation samples (match `ppolm ppo --temperature`)."""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """bf16: fp32 master weights with bf16 autocast; fp32: everything in float32."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device: auto picks cuda when available."""
     seed: int = 0
     """Random seed (split, shuffling, head init, normalisation samples)."""
-    save_every: int = 50
-    """Write a resumable checkpoint every N optimiser steps (and at the end, and on Ctrl-C/SIGTERM)."""
-    keep_last: int = 2
-    """Keep only the newest K checkpoints."""
-    resume: bool = False
-    """Continue from the newest valid checkpoint in --output-dir (same options as the run it continues)."""
-    overwrite: bool = False
-    """Allow writing into an --output-dir that already holds files (they are replaced once the data and model have loaded)."""
-    max_skipped_updates: int = 3
-    """Abort after this many consecutive updates skipped for a non-finite (NaN/inf) loss or gradient."""
-    quiet: bool = False
-    """No progress bar."""
-    trust_remote_code: bool = False
-    """Allow model code shipped inside a model directory to run."""
-    allow_pickle: bool = False
-    """Accept pickle-based weights (.bin/.pt), which can run arbitrary code when loaded."""
 
     def validate(self) -> None:
         trainloop.check_common(self)

@@ -19,12 +19,13 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ppolm import checkpoint
+from ppolm.config_sections import PolicyTrainOptions
 from ppolm.errors import PPOLMError
 from ppolm.runtime import RUN_CONTROL, config_difference, prepare_output_dir, write_config  # noqa: F401  (shared)
 from ppolm.trainloop import (  # noqa: F401  (the loop and helpers shared with reward and dpo, importable here too)
@@ -42,7 +43,7 @@ from ppolm.trainloop import (  # noqa: F401  (the loop and helpers shared with r
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(PolicyTrainOptions):
     """Everything an SFT run needs; ``train_sft(config.build(SFTConfig, {...}))`` from Python."""
 
     model: str = "smollm2-135m-instruct"
@@ -51,8 +52,6 @@ class SFTConfig:
     """Demonstrations: .jsonl/.json/.parquet/.csv or a saved datasets directory, with 'prompt' + 'response' (or 'completion') columns, or a 'messages' chat list whose last turn is the assistant's answer."""
     eval_data: str | None = None
     """Held-out demonstrations for the eval loss; default: a seeded --eval-fraction of --data."""
-    eval_fraction: float = 0.1
-    """Fraction of --data held out when --eval-data is not given (0 = no eval)."""
     output_dir: str = "runs/sft"
     """Where the fine-tuned model (Hugging Face format, with tokenizer), metrics.jsonl and sft_config.yaml go."""
     epochs: int = 3
@@ -61,46 +60,8 @@ class SFTConfig:
     """Demonstrations per optimiser step."""
     lr: float = 2e-5
     """AdamW learning rate (full fine-tuning; LoRA wants ~10x more)."""
-    lr_schedule: Literal["constant", "linear"] = "linear"
-    """Constant, or linear decay to 0 over the run (--resume then needs the same --epochs; a constant schedule lets --resume add epochs)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping (global norm)."""
     max_length: int = 512
     """Longest prompt+response in tokens; longer responses are cut (the cut ones lose their EOS)."""
-    chat_template: bool = True
-    """Apply the tokenizer's chat template to text prompts (messages always use it), as `ppolm ppo` does."""
-    lora_r: int = 0
-    """LoRA rank (peft); 0 = full fine-tuning."""
-    lora_alpha: float = 32.0
-    """LoRA scaling alpha."""
-    lora_target: str = "all-linear"
-    """LoRA target modules (peft syntax: 'all-linear' or comma-separated module names)."""
-    merge_lora: bool = True
-    """With LoRA, save the merged full model (loadable by `ppolm ppo --model`); off: save only the adapter."""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """bf16: fp32 master weights with bf16 autocast; fp32: everything in float32."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device: auto picks cuda when available."""
-    seed: int = 0
-    """Random seed (data split, shuffling, LoRA init)."""
-    save_every: int = 50
-    """Write a resumable checkpoint every N optimiser steps (and at the end, and on Ctrl-C/SIGTERM)."""
-    keep_last: int = 2
-    """Keep only the newest K checkpoints."""
-    resume: bool = False
-    """Continue from the newest valid checkpoint in --output-dir (same options as the run it continues)."""
-    overwrite: bool = False
-    """Allow writing into an --output-dir that already holds files (they are replaced once the data and model have loaded)."""
-    max_skipped_updates: int = 3
-    """Abort after this many consecutive updates skipped for a non-finite (NaN/inf) loss or gradient."""
-    quiet: bool = False
-    """No progress bar; one log line per epoch instead."""
-    trust_remote_code: bool = False
-    """Allow model code shipped inside a model directory to run."""
-    allow_pickle: bool = False
-    """Accept pickle-based weights (.bin/.pt), which can run arbitrary code when loaded."""
 
     def validate(self) -> None:
         check_common(self)
