@@ -319,7 +319,7 @@ class Demo:
         s, out = self.sizes, self.out
         resume = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
         cfg = config.build(PPOConfig, dict(
-            model=self.cfg.model, reward_model=[str(out / RM_DIR)], critic_init="reward",
+            model=self.cfg.model, reward_model=[str(out / RM_DIR)], critic_init="reward", temperature=0.7,
             prompts=str(out / "prompts_train.jsonl"), eval_prompts=str(out / "prompts_eval.jsonl"),
             eval_every=s.eval_every, eval_reward_fn=["ppolm.gold:gold_judge"], best_metric=GOLD_METRIC,
             steps=s.steps, batch_size=s.batch_size, ppo_epochs=s.ppo_epochs,
