@@ -157,7 +157,7 @@ def test_ppo_warns_live_and_records_alarms(tiny_policy_dir, tmp_path, capfd):
     cfg = config.build(PPOConfig, dict(
         model=str(tiny_policy_dir), reward_fn=["ppolm.builtin_rewards:positive_sentiment"], steps=5, batch_size=4,
         ppo_epochs=4, response_length=8, output_dir=str(tmp_path / "run"), quiet=True, precision="fp32",
-        actor_lr=1e-2, kl_target=1e-4, save_every=10))
+        actor_lr=1e-2, kl_target=1e-4, save_every=10, temperature=0.7))
     result = train_ppo(cfg)
     fired = [r["step"] for r in result.metrics if r.get("alarm/kl_runaway") == 1.0]
     assert len(fired) == 1
