@@ -62,7 +62,7 @@ class EvalConfig(ModelLoading):
     seed: int = 0
     """Random seed; every policy samples with the same seed."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """bf16 autocast (as PPO's rollouts) or fp32."""
+    """bf16 (models in bf16 under autocast, logits in fp32) or fp32; auto: bf16 where native."""
 
     def validate(self) -> None:
         if self.max_prompts < 0 or self.samples_per_prompt < 1 or self.response_length < 1 or self.batch_size < 1:

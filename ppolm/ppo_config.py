@@ -39,7 +39,7 @@ class ModelConfig(ModelLoading, LoRAOptions):
     lora_r: int = 0
     """LoRA rank for the policy (peft); 0 = full fine-tuning. With LoRA the reference is the policy with its adapter disabled (no second copy)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """bf16: fp32 master weights with bf16 autocast, frozen models stored in bf16 (2x faster on GPUs and CPUs with AMX/AVX512-BF16; 3-5x slower where bf16 is emulated). fp32: everything in float32. auto: bf16 where native, else fp32."""
+    """bf16: every model computes in bf16, trained weights keep fp32 master copies, logits, values and the PPO maths in fp32 (faster on GPUs and CPUs with AMX/AVX512-BF16; 3-5x slower where bf16 is emulated). fp32: everything in float32. auto: bf16 where native, else fp32 (printed with the reason)."""
 
 
 @dataclass
