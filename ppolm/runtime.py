@@ -271,20 +271,26 @@ def prepare_output_dir(out: Path, cfg: Any, config_name: str, commit: bool = Fal
                 raise PPOLMError(f"--output-dir {out} does not hold a run of this command (no {config_name}); "
                                  "choose another directory")
             before = config.load_yaml(saved)
-            diff = config_difference(before, config.to_dict(cfg))
-            if diff:
-                raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); resume with "
-                                 "the same options, or use --overwrite or a new --output-dir")
-            old_epochs = before.get("epochs")
-            if cfg.lr_schedule == "linear" and old_epochs is not None and old_epochs != cfg.epochs:
-                # the schedule decays over all epochs' steps: another total rescales every step's rate
-                raise PPOLMError(f"--epochs changed from {old_epochs} to {cfg.epochs} but the linear learning-rate "
-                                 f"schedule decays over --epochs; resume with --epochs {old_epochs} (a run with "
-                                 "--lr-schedule constant can be extended)")
+            check_resumable(out, config_difference(before, config.to_dict(cfg)), cfg.lr_schedule, "epochs",
+                            before.get("epochs") if isinstance(before, dict) else None, cfg.epochs)
         else:
             raise PPOLMError(f"--output-dir {out} already holds files; pass --overwrite to replace them, --resume "
                              "to continue that run, or choose a new directory")
     checkpoint.check_creatable(out)
+
+
+def check_resumable(out: Path, diff: str, lr_schedule: str, length_option: str, old_length: Any,
+                    new_length: Any) -> None:
+    """Refuse --resume into a run whose config differs (``diff``, the first difference, or ""), or
+    whose length (--steps, --epochs) changed under a linear schedule: that schedule decays over the
+    run's length, so another total would rescale every step's rate."""
+    if diff:
+        raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); resume with "
+                         "the same options, or use --overwrite or a new --output-dir")
+    if lr_schedule == "linear" and old_length is not None and old_length != new_length:
+        raise PPOLMError(f"--{length_option} changed from {old_length} to {new_length} but the linear learning-rate "
+                         f"schedule decays over --{length_option}; resume with --{length_option} {old_length} (a run "
+                         "with --lr-schedule constant can be extended)")
 
 
 def config_difference(saved: Any, now: dict[str, Any]) -> str:
@@ -336,16 +342,9 @@ def prepare_ppo_output_dir(out: Path, cfg: Any, outputs: Iterable[str], commit: 
                 raise PPOLMError(f"--output-dir {out} does not hold a ppolm run (no config.yaml); "
                                  "choose another directory")
             before = config.load_yaml(saved)
-            diff = ppo_config_difference(before, config.to_dict(cfg))
-            if diff:
-                raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); "
-                                 "resume with the same options, or use --overwrite or a new --output-dir")
             old_steps = (before.get("algo") or {}).get("steps") if isinstance(before, dict) else None
-            if cfg.algo.lr_schedule == "linear" and old_steps is not None and old_steps != cfg.algo.steps:
-                # the schedule's lambda decays over --steps: another total rescales every step's rate
-                raise PPOLMError(f"--steps changed from {old_steps} to {cfg.algo.steps} but the linear learning-rate "
-                                 f"schedule decays over --steps; resume with --steps {old_steps} (a run with "
-                                 "--lr-schedule constant can be extended)")
+            check_resumable(out, ppo_config_difference(before, config.to_dict(cfg)), cfg.algo.lr_schedule, "steps",
+                            old_steps, cfg.algo.steps)
         else:
             raise PPOLMError(f"--output-dir {out} already holds files; pass --resume to continue that run, "
                              "--overwrite to replace it, or choose a new directory")
