@@ -45,9 +45,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def rng_state(ranks: list[Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This process's random-number states (torch CPU and CUDA, Python, NumPy) as (tensors, meta).
+
+    ``ranks``: the states of every process of a data-parallel run, in rank order (each an earlier
+    call's result); with more than one, process r's tensors are stored under ``rank<r>.`` and meta
+    is ``{"ranks": [meta of each]}``, so each process resumes its own streams.
+    """
     import numpy as np
 
+    if ranks is not None and len(ranks) > 1:
+        tensors: dict[str, torch.Tensor] = {}
+        for r, (t, _) in enumerate(ranks):
+            tensors.update({f"rank{r}.{k}": v for k, v in t.items()})
+        return tensors, {"ranks": [m for _, m in ranks]}
     tensors = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
@@ -58,9 +69,14 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, meta
 
 
-def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any], rank: int = 0) -> None:
+    """Restore what :func:`rng_state` saved (process ``rank``'s streams when it saved several)."""
     import numpy as np
 
+    if "ranks" in meta:
+        meta = meta["ranks"][rank]
+        prefix = f"rank{rank}."
+        tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     torch.set_rng_state(tensors["rng.torch"])
     if torch.cuda.is_available():
         n = sum(1 for k in tensors if k.startswith("rng.cuda."))

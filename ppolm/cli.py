@@ -74,29 +74,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SINGLE_PROCESS = ("demo", "report", "reward-eval")
+"""Commands that run as one process only (the others run under torchrun: README, "Scaling out")."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 2
+    from ppolm import distributed
+
+    streams = sys.stdout, sys.stderr  # processes other than 0 of a torchrun job silence them
     try:
         import importlib
 
         from ppolm import config
-        from ppolm.runtime import refuse_data_parallel
 
-        refuse_data_parallel()  # before anything is read or written
+        world = distributed.launched_world_size()  # before anything is read or written
+        if world > 1 and args.command in SINGLE_PROCESS:
+            raise distributed.RankError(f"ppolm {args.command} runs as one process; launch it without torchrun "
+                                        f"(WORLD_SIZE={world} is set)")
         cfg = config.from_cli(args._cfg_cls, args, args.command)
         _quiet_libraries()
         module, _, fn = COMMANDS[args.command][1].partition(":")
         return getattr(importlib.import_module(module), fn)(cfg)
     except PPOLMError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # Several processes (torchrun): an error every process finds alike (bad options or files,
+        # found before they join) is printed once per machine, by its first process; one found by a
+        # single process after they joined, by that process.
+        shared = isinstance(e, distributed.RankError) or not distributed.active()
+        if not shared or distributed.local_rank() == 0:
+            where = "" if distributed.is_main() else f"[rank {distributed.rank()}] "
+            print(f"error: {where}{e}", file=streams[1], flush=True)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted; nothing was saved in this step (earlier checkpoints are intact)", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        if not (distributed.active() and distributed.peer_failure(e)):
+            raise
+        print(f"error: [rank {distributed.rank()}] another process of this job stopped or stopped answering "
+              f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); the last checkpoint is intact: rerun the same "
+              "command with --resume", file=streams[1], flush=True)
+        return 1
+    finally:
+        sys.stdout, sys.stderr = streams
 
 
 if __name__ == "__main__":

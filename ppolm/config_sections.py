@@ -107,6 +107,8 @@ class TrainRunControl:
     """Abort after this many consecutive updates skipped for a non-finite (NaN/inf) loss or gradient."""
     quiet: bool = False
     """No progress bar; one log line per epoch instead."""
+    dist_timeout: float = 600.0
+    """Under torchrun: seconds a process waits in a collective for the others before failing (a process that died or hangs then stops the job instead of blocking it forever)."""
 
 
 @dataclass

@@ -69,17 +69,22 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var * (n / (n - 1)) if unbiased else var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """(x - mu) / sqrt(var + 1e-8) with mu, var over the real entries; (B, T) -> (B, T).
 
     With ``shift_mean=False`` the mean is added back: (x - mu) / sigma + mu (used for rewards,
-    whose sign matters). Padding (mask 0) is returned as 0. Source: ``whiten`` in OpenAI
-    lm-human-preferences (advantages are whitened with shift_mean=True).
+    whose sign matters). Padding (mask 0) is returned as 0. ``moments``: (mu, biased var) given
+    instead of computed from ``x`` (data-parallel training passes those of the global batch).
+    Source: ``whiten`` in OpenAI lm-human-preferences (advantages are whitened with shift_mean=True).
     """
-    mean = masked_mean(x, mask)
-    # Biased variance, as OpenAI's whiten (tf.nn.moments divides by n): for the thousands of
-    # tokens of a PPO batch the difference is negligible and a batch of one token stays finite.
-    var = masked_var(x, mask, unbiased=False)
+    if moments is not None:
+        mean, var = moments
+    else:
+        mean = masked_mean(x, mask)
+        # Biased variance, as OpenAI's whiten (tf.nn.moments divides by n): for the thousands of
+        # tokens of a PPO batch the difference is negligible and a batch of one token stays finite.
+        var = masked_var(x, mask, unbiased=False)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
@@ -377,6 +382,26 @@ def aggregate_loss(
     return (per_seq * has).sum() / has.sum()
 
 
+def aggregate_denominator(mask: torch.Tensor, mode: str = "token-mean", constant: float | None = None,
+                          length: int | None = None) -> float:
+    """What :func:`aggregate_loss` divides by for this mask: the number of real tokens
+    (``token-mean``), of rows with a real token (the two seq-mean modes), or rows * constant
+    (``seq-mean-token-sum-norm``; constant default: ``length``, else the mask's width).
+
+    ``aggregate_loss(l, mask, mode) * aggregate_denominator(mask, mode)`` is the loss's sum over
+    its units, so data-parallel training can divide that sum by the global batch's denominator.
+    """
+    m = mask != 0
+    if mode == "token-mean":
+        return float(m.sum())
+    if mode == "seq-mean-token-sum-norm":
+        c = float(constant if constant is not None else (length if length is not None else mask.shape[-1]))
+        return float(mask.shape[0]) * c
+    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        return float(m.any(-1).sum())
+    raise ValueError(f"unknown loss aggregation {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -557,30 +582,38 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 class AdaptiveKLController:
     """Adaptive KL coefficient: steer the measured KL towards a target.
 
-    error = clip(current_kl / target - 1, -0.2, 0.2); value *= 1 + error * n_steps / horizon.
-    Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (sec. 2.2).
+    error = clip(current_kl / target - 1, -0.2, 0.2); value = max(min_value, value * (1 + error * n_steps / horizon)).
+    Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (sec. 2.2),
+    plus an optional floor ``min_value`` (0 = none, as published). The floor keeps the controller
+    from winding down while the KL sits below its target, as it does for the many updates a rare
+    reward takes to be found: without it beta decays toward 0 and the KL then runs far past its
+    target before beta has climbed back.
     """
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+    def __init__(self, init_kl_coef: float, target: float, horizon: float, min_value: float = 0.0) -> None:
         if target <= 0 or horizon <= 0:
             raise ValueError(f"target and horizon must be > 0, got target={target}, horizon={horizon}")
-        self.value: float = float(init_kl_coef)
+        if min_value < 0:
+            raise ValueError(f"min_value must be >= 0, got {min_value}")
+        self.value: float = max(float(init_kl_coef), float(min_value))
         self.target: float = float(target)
         self.horizon: float = float(horizon)
+        self.min_value: float = float(min_value)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Move the coefficient after ``n_steps`` (in the horizon's unit: ppolm passes 1 per PPO
         update, Ziegler et al. the batch's sample count) with mean KL ``current_kl``."""
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
+        self.value = max(self.min_value, self.value * (1.0 + error * n_steps / self.horizon))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+        return {"value": self.value, "target": self.target, "horizon": self.horizon, "min_value": self.min_value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.value = float(state["value"])
         self.target = float(state.get("target", self.target))
         self.horizon = float(state.get("horizon", self.horizon))
+        self.min_value = float(state.get("min_value", self.min_value))
 
 
 class FixedKLController:

@@ -165,7 +165,7 @@ def train_dpo(cfg: DPOConfig) -> list[dict[str, Any]]:
 
 
 def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
-    from ppolm import checkpoint, models
+    from ppolm import checkpoint, distributed, models
     from ppolm.runtime import resolve_device, resolve_precision, seed_everything
 
     cfg.validate()
@@ -183,15 +183,17 @@ def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
     if not train:
         raise PPOLMError(f"{cfg.data} leaves no training pairs after the held-out split; add rows or lower "
                          "--eval-fraction")
+    device = distributed.init(cfg.device, cfg.dist_timeout)  # torchrun: join the others (ppolm/distributed.py)
     model = models.load_causal_lm(cfg.model, dtype=torch.float32, device=device, tokenizer=tok,
                                   trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     if cfg.lora_r > 0:
         model = trainloop.apply_lora(model, cfg, "CAUSAL_LM")
-    runtime.prepare_output_dir(out, cfg, "dpo_config.yaml", commit=True)
-    try:
-        runtime.write_config(cfg, out / "dpo_config.yaml")
-    except OSError as e:
-        raise checkpoint.disk_error(e, out) from None
+    if distributed.is_main():
+        runtime.prepare_output_dir(out, cfg, "dpo_config.yaml", commit=True)
+        try:
+            runtime.write_config(cfg, out / "dpo_config.yaml")
+        except OSError as e:
+            raise checkpoint.disk_error(e, out) from None
     pad, per_token = tok.pad_token_id, cfg.loss_type == "ipo"
     # The reference's log-probs, once, from the weights as loaded: a resumed run computes them here too,
     # before the checkpoint's weights are put in (TrainLoop.run), so they are the same numbers.
@@ -206,11 +208,11 @@ def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
             row.update(evaluate(model, held, ref_held, cfg, pad, device))
         return row
 
-    def step_fn(idx: list[int]) -> tuple[torch.Tensor, int, dict[str, Any]]:
+    def step_fn(idx: list[int], forward: Any) -> tuple[torch.Tensor, int, dict[str, Any]]:
         batch = [train[j] for j in idx]
         ref_b = ref_train[idx].to(device)  # (B, 2)
         with trainloop.autocast(device, cfg.precision):
-            c, r = pair_logps(model, batch, pad, device, per_token)
+            c, r = forward(pair_logps, model, batch, pad, device, per_token)
         loss, rc, rr = core.dpo_loss(c, r, ref_b[:, 0], ref_b[:, 1], cfg.beta, cfg.label_smoothing, cfg.loss_type)
         counters: dict[str, Any] = {"tokens": sum(len(x.ids) + len(y.ids) for x, y in batch)}
         if math.isfinite(loss.item()):  # a skipped update adds nothing to the epoch's means
@@ -229,7 +231,9 @@ def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
                             lambda: held_out({"epoch": 0}) if held else None)
     if not loop.run():
         return loop.rows, False
-    sft.save_model(model, tok, out, merge=cfg.merge_lora)
+    if distributed.is_main():
+        sft.save_model(model, tok, out, merge=cfg.merge_lora)
+    distributed.barrier()
     return loop.rows, True
 
 

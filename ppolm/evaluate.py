@@ -63,6 +63,8 @@ class EvalConfig(ModelLoading):
     """Random seed; every policy samples with the same seed."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 (models in bf16 under autocast, logits in fp32) or fp32; auto: bf16 where native."""
+    dist_timeout: float = 600.0
+    """Under torchrun: seconds a process waits in a collective for the others before failing."""
 
     def validate(self) -> None:
         if self.max_prompts < 0 or self.samples_per_prompt < 1 or self.response_length < 1 or self.batch_size < 1:
@@ -126,11 +128,14 @@ def _rewarder(cfg: EvalConfig, dtype: torch.dtype, device: torch.device):
 
 @torch.no_grad()
 def evaluate(cfg: EvalConfig) -> dict[str, Any]:
-    """Sample, score and measure every policy; write ``cfg.output`` and return the same dict."""
-    from ppolm import models
+    """Sample, score and measure every policy; write ``cfg.output`` and return the same dict.
+
+    Batch b of prompts samples from seed + b, so the results do not depend on how many processes
+    share the batches (torchrun: batch b on process b mod N; process 0 writes)."""
+    from ppolm import distributed, models
     from ppolm import rollout as ro
     from ppolm.data import load_prompts
-    from ppolm.runtime import resolve_device, resolve_precision
+    from ppolm.runtime import resolve_device, resolve_precision, seeded_rng
 
     cfg.validate()
     policies = cfg.policy or [models.EMBEDDED_DEFAULT]
@@ -143,6 +148,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
     rewarder = _rewarder(cfg, dtype, device)  # a bad spec fails before any model loads
+    device = distributed.init(cfg.device, cfg.dist_timeout)
     ref_spec = cfg.reference or policies[0]
     ref_tok = models.load_tokenizer(ref_spec, **load)
     reference = models.load_causal_lm(ref_spec, dtype=dtype, device=device, tokenizer=ref_tok, **load)
@@ -161,26 +167,31 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         prompts = (prompts[:cfg.max_prompts] if cfg.max_prompts else prompts)
         prompts = [p for p in prompts for _ in range(cfg.samples_per_prompt)]
         result["n_samples"] = len(prompts)
-        torch.manual_seed(cfg.seed)
-        parts: dict[str, list[torch.Tensor]] = {}
-        kls, lengths, ended, texts = [], [], [], []
-        for i in range(0, len(prompts), cfg.batch_size):
-            batch = prompts[i:i + cfg.batch_size]
-            with amp():
+        done_batches = []  # (batch index, kls, lengths, ended, texts, {source: scores}) of this process
+        starts = range(0, len(prompts), cfg.batch_size)
+        for b in range(len(starts))[distributed.rank()::distributed.world_size()]:
+            batch = prompts[starts[b]:starts[b] + cfg.batch_size]
+            with seeded_rng(cfg.seed + b, device), amp():
                 roll = ro.generate(policy, [p.ids for p in batch], pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                                    max_new_tokens=cfg.response_length, temperature=cfg.temperature, top_p=cfg.top_p)
                 lp = ro.logprobs(policy, roll, cfg.temperature)
                 lr = lp if policy is reference else ro.logprobs(reference, roll, cfg.temperature)
             mask = roll.response_mask.float()
-            kls.append(((lp - lr) * mask).sum(1).cpu())
-            lengths.append(roll.lengths.cpu())
-            ended.append(roll.ended.cpu())
             batch_texts = tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)
-            texts += batch_texts
+            scored = {}
             if rewarder is not None:
                 total, by_source = _score(rewarder, roll, batch, batch_texts, tok, amp)
-                for name, s in {"reward/total": total, **by_source}.items():
-                    parts.setdefault(name, []).append(s.float().cpu())
+                scored = {name: s.float().cpu() for name, s in {"reward/total": total, **by_source}.items()}
+            done_batches.append((b, ((lp - lr) * mask).sum(1).cpu(), roll.lengths.cpu(), roll.ended.cpu(),
+                                 batch_texts, scored))
+        done_batches = sorted((x for part in distributed.gather_objects(done_batches) for x in part),
+                              key=lambda x: x[0])
+        kls, lengths, ended = [x[1] for x in done_batches], [x[2] for x in done_batches], [x[3] for x in done_batches]
+        texts = [t for x in done_batches for t in x[4]]
+        parts: dict[str, list[torch.Tensor]] = {}
+        for x in done_batches:
+            for name, v in x[5].items():
+                parts.setdefault(name, []).append(v)
         kl, length, done = torch.cat(kls), torch.cat(lengths).float(), torch.cat(ended).float()
         rewards = {k: torch.cat(v) for k, v in parts.items()}
         result["policies"][label] = {
@@ -196,9 +207,11 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
             for j, (p, t, k, n) in enumerate(zip(prompts, texts, kl, length))]
         if policy is not reference:
             del policy
-    path = Path(cfg.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    if distributed.is_main():
+        path = Path(cfg.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    distributed.barrier()
     return result
 
 
@@ -305,7 +318,7 @@ def during_ppo(trainer: Any, updates: int) -> tuple[dict[str, Any], list[dict[st
     to the reference. Sampling uses its own seed (:func:`seeded_rng`) so the training RNG stream,
     and hence resume, is unaffected. eval/score is objective/scores' definition (the training
     sources' weighted sum, with the missing-EOS and length penalties); eval/<source> is each raw."""
-    from ppolm import core
+    from ppolm import core, distributed
     from ppolm import rollout as ro
     from ppolm.rewards import Rewarder
     from ppolm.runtime import seeded_rng
@@ -314,11 +327,16 @@ def during_ppo(trainer: Any, updates: int) -> tuple[dict[str, Any], list[dict[st
     scorer = Rewarder(trainer.rewarder.models, trainer.rewarder.functions + trainer.eval_functions,
                       model_weight=trainer.rewarder.model_weight, ensemble_rule=trainer.rewarder.ensemble_rule)
     n_train = len(trainer.rewarder.functions)
-    totals, all_parts, kls, lengths, rows = [], {}, [], [], []
+    done = []  # (batch index, totals, parts, kls, lengths, rows) of this process's batches
     trainer.policy.eval()
-    with seeded_rng(cfg.run.seed + 1_000_003, trainer.device):
-        for i in range(0, len(trainer.eval_prompts), cfg.run.eval_batch_size):
-            prompts = trainer.eval_prompts[i:i + cfg.run.eval_batch_size]
+    size = cfg.run.eval_batch_size
+    starts = range(0, len(trainer.eval_prompts), size)
+    # Batch b runs on process b mod N under its own seed (the training streams untouched): the same
+    # results on any number of processes.
+    for b in range(len(starts))[distributed.rank()::distributed.world_size()]:
+        i = starts[b]
+        with seeded_rng(cfg.run.seed + 1_000_003 + b, trainer.device):
+            prompts = trainer.eval_prompts[i:i + size]
             roll = ro.generate(trainer.policy, [p.ids for p in prompts], pad_id=trainer.pad_id,
                                eos_id=trainer.eos_id,
                                max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
@@ -335,16 +353,20 @@ def during_ppo(trainer: Any, updates: int) -> tuple[dict[str, Any], list[dict[st
             if trainer.rewarder.models:
                 total = total + trainer.rewarder.model_weight * parts[ensemble_key(trainer.rewarder)]
             total = trainer.penalise(total, roll).cpu()  # as objective/scores; eval/<source> stay raw
-            totals.append(total)
-            for k, v in parts.items():
-                all_parts.setdefault(k, []).append(v)
-            kls.append(kl.float().cpu())
-            lengths.append(roll.lengths.float().cpu())
-            for j, (p, t) in enumerate(zip(prompts, texts)):
-                rows.append({"step": updates, "prompt": p.raw, "response": t,
-                             "scores": {k.removeprefix("reward/"): float(v[j]) for k, v in parts.items()},
-                             "score": float(total[j]), "kl": float(kl[j])})
+            rows = [{"step": updates, "prompt": p.raw, "response": t,
+                     "scores": {k.removeprefix("reward/"): float(v[j]) for k, v in parts.items()},
+                     "score": float(total[j]), "kl": float(kl[j])} for j, (p, t) in enumerate(zip(prompts, texts))]
+            done.append((b, total, {k: v.float().cpu() for k, v in parts.items()}, kl.float().cpu(),
+                         roll.lengths.float().cpu(), rows))
     trainer.policy.train()
+    done = sorted((x for part in distributed.gather_objects(done) for x in part), key=lambda x: x[0])
+    totals = [x[1] for x in done]
+    all_parts: dict[str, list[torch.Tensor]] = {}
+    for x in done:
+        for k, v in x[2].items():
+            all_parts.setdefault(k, []).append(v)
+    kls, lengths = [x[3] for x in done], [x[4] for x in done]
+    rows = [r for x in done for r in x[5]]
 
     def mean_se(xs: list[torch.Tensor]) -> tuple[float, float]:
         x = torch.cat(xs).float()

@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from ppolm import core, ppo_metrics, ppo_run, runtime
+from ppolm import core, distributed, ppo_metrics, ppo_run, runtime
 from ppolm import rollout as ro
+from ppolm.actor_critic import ActorCritic
 from ppolm.data import PromptOrder  # noqa: F401  (public here too)
 from ppolm.ppo_config import PPOConfig
 from ppolm.ppo_run import OUTPUTS, PPOResult  # noqa: F401  (public here too)
 from ppolm.runtime import (  # noqa: F401  (public here too)
-    refuse_data_parallel,
     resolve_device,
     resolve_precision,
     rng_devices,
@@ -47,19 +47,17 @@ class PPOTrainer:
     def __init__(self, cfg: PPOConfig):
         from ppolm import models, ppo_models
         from ppolm.frozen import FrozenModels
-        from ppolm.rewards import RewardFunction, function_name, load_reward_fn
+        from ppolm.rewards import RewardFunction, function_name, load_reward_fn, reward_model_dir
 
-        refuse_data_parallel()
-        cfg.validate()
+        cfg.validate(world_size=distributed.launched_world_size())  # before any process joins or loads anything
         cfg.resolve()  # --kl-in auto / --loss-agg auto: what they mean for this --advantage
         self.cfg = cfg
         m = cfg.model
         self.out = Path(cfg.run.output_dir)
+        # Every check of the user's input runs before the processes join (torchrun), so that a bad
+        # input stops each of them at once, with one error line.
         runtime.prepare_ppo_output_dir(self.out, cfg, OUTPUTS)
-        self.device = resolve_device(m.device)
-        # bf16: every model computes in bf16, trained weights keep fp32 masters (ppolm/runtime.py)
-        self.precision = resolve_precision(m.precision, self.device)
-        self.dtype = runtime.dtype_of(self.precision)
+        resolve_device(m.device)
         seed_everything(cfg.run.seed)
 
         # The reward comes first: a wrong spec should fail before minutes of model loading.
@@ -71,9 +69,19 @@ class PPOTrainer:
                                for s in cfg.run.eval_reward_fn]
         self.tokenizer = models.load_tokenizer(m.model)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        # Data before models, so a bad file fails in seconds, not after loading four models.
+        # Data and reward models' heads before any model loads, so a bad input fails in seconds.
         model_dir = models.resolve_model_dir(m.model, allow_pickle=m.allow_pickle)
+        for path in cfg.reward.reward_model:
+            reward_model_dir(path, allow_pickle=m.allow_pickle)
         self.load_data(model_dir)
+
+        # torchrun: join the other processes; each takes 1/N of every batch (ppolm/distributed.py)
+        self.device = distributed.init(m.device, cfg.run.dist_timeout)
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+        self.local_batch = cfg.algo.batch_size // self.world  # this process's rows of each batch
+        # bf16: every model computes in bf16, trained weights keep fp32 masters (ppolm/runtime.py)
+        self.precision = resolve_precision(m.precision, self.device)
+        self.dtype = runtime.dtype_of(self.precision)
         self.best_value = -math.inf
 
         # The four models (ppolm/ppo_models.py): policy, reference, rewarder, critic
@@ -90,9 +98,18 @@ class PPOTrainer:
                                    critic_entry=self.critic.total_layers - self.critic.n if self.tap else 0)
         self.has_critic = self.critic is not None or self.value_head is not None
         self.policy_start = self.frozen.policy_start
+        # The trained models' forward pass as one module, under DDP with several processes
+        self.actor_critic = ActorCritic(self.policy, temperature=cfg.generation.temperature,
+                                        policy_start=self.policy_start, critic=self.critic,
+                                        value_head=self.value_head, tap=self.tap is not None,
+                                        value_bias=self.value_bias)
+        self.train_model = distributed.ddp(self.actor_critic, self.device)
+        if self.rank:  # each process samples its own responses (OpenAI detail 17); process 0 as one process
+            seed_everything(cfg.run.seed + 1_000_033 * self.rank)
         self.build_optimisers()
         k = cfg.kl
-        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon) if k.adaptive_kl
+        floor = 0.0 if k.kl_coef_min is None else k.kl_coef_min
+        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, floor) if k.adaptive_kl
                        else core.FixedKLController(k.kl_coef))
         self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
         self.skipped_total = 0
@@ -143,46 +160,30 @@ class PPOTrainer:
 
     # ----------------------------------------------------------------------------------------
     def prompt_batch(self, step: int) -> list[Any]:
-        """Prompts of a step: a fresh seeded permutation per pass over the data (resume-safe). With
-        --samples-per-prompt G, batch_size / G prompts, each repeated G times in adjacent rows (one
-        group per prompt; see :meth:`group_ids`)."""
+        """This process's prompts of a step: a fresh seeded permutation per pass over the data
+        (resume-safe) gives the step's batch_size / G prompts (--samples-per-prompt G), each repeated
+        G times in adjacent rows (one group per prompt; see :meth:`group_ids`). With N processes,
+        process r takes the r-th of N equal slices of those prompts: their union is one process's
+        batch, and a prompt's group stays on one process."""
         a = self.cfg.algo
         g = a.samples_per_prompt
-        return [self.prompts[i] for i in self.prompt_order.indices(step, a.batch_size // g) for _ in range(g)]
+        ids = self.prompt_order.indices(step, a.batch_size // g)
+        share = len(ids) // self.world
+        return [self.prompts[i] for i in ids[self.rank * share:(self.rank + 1) * share] for _ in range(g)]
 
     def group_ids(self) -> torch.Tensor:
-        """(B,) the group (prompt) of each row of a step's batch: 0, .., 0, 1, .., 1, .. in runs of G."""
-        a = self.cfg.algo
-        return torch.arange(a.batch_size // a.samples_per_prompt, device=self.device).repeat_interleave(
-            a.samples_per_prompt)
+        """(B,) the group (prompt) of each of this process's rows: 0, .., 0, 1, .., 1, .. in runs of G."""
+        g = self.cfg.algo.samples_per_prompt
+        return torch.arange(self.local_batch // g, device=self.device).repeat_interleave(g)
 
     def forward_train(self, roll: ro.Rollout, need_entropy_grad: bool,
                       trunk: torch.Tensor | None = None,
                       entering: torch.Tensor | None = None, want_entropy: bool = True) -> tuple[Any, ...]:
-        """Policy log-probs, entropy and values on a rollout: each (B, R). ``trunk`` (B, P + R, d): the
-        frozen trunk's hidden state that feeds a top-layers critic; ``entering``: the state entering
-        the policy's first adapted layer, from the reference pass (LoRA on the top layers only)."""
-        from ppolm.models import scalar_head
-
-        h = ro.response_hidden(self.policy, roll, self.policy_start, entering)
-        logits = ro.tempered_logits(self.policy, h, self.cfg.generation.temperature)  # (B, R, V) fp32
-        logp = core.logprobs_from_logits(logits, roll.response)
-        ent = None  # two more (B, R, V) tensors: only for the first pass's metric or an entropy bonus
-        if want_entropy:
-            with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
-                ent = core.entropy_from_logits(logits)
-        if not self.has_critic:
-            v = None
-        elif self.value_head is not None:
-            v = scalar_head(self.value_head, h)
-        elif self.tap is not None:
-            p, r = roll.query.shape[1], roll.response.shape[1]
-            v = self.critic(trunk, roll.attention_mask)[:, p - 1:p - 1 + r]
-        else:
-            v = ro.values(self.critic, roll)
-        if self.value_bias is not None and v is not None:
-            v = v + self.value_bias
-        return logp, ent, v
+        """Policy log-probs, entropy and values on a rollout, each (B, R), through the trained models'
+        module (:class:`ppolm.actor_critic.ActorCritic`, under DDP with several processes). ``trunk``
+        (B, P + R, d): the frozen trunk's hidden state that feeds a top-layers critic; ``entering``:
+        the state entering the policy's first adapted layer, from the reference pass."""
+        return self.train_model(roll, need_entropy_grad, trunk, entering, want_entropy)
 
     def penalise(self, scores: torch.Tensor, roll: ro.Rollout) -> torch.Tensor:
         """The missing-EOS and length penalties on the sources' total (:func:`ppolm.core.penalise_scores`),
@@ -211,31 +212,46 @@ class PPOTrainer:
         return ok
 
     def ptx_loss(self, gen: torch.Generator) -> torch.Tensor:
-        """Language-modelling loss on a microbatch of the pretraining corpus (PPO-ptx)."""
-        n = self.cfg.microbatch_size
-        picks = [self.ptx_ids[int(i)] for i in torch.randint(len(self.ptx_ids), (n,), generator=gen)]
+        """Language-modelling loss on a microbatch of the pretraining corpus (PPO-ptx); with several
+        processes each draws its own microbatch (the same generator, its own offset)."""
+        n = self.micro_size
+        drawn = torch.randint(len(self.ptx_ids), (n * self.world,), generator=gen)[self.rank * n:(self.rank + 1) * n]
+        picks = [self.ptx_ids[int(i)] for i in drawn]
         width = max(len(x) for x in picks)
         ids = torch.full((n, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((n, width), dtype=torch.long)
         for i, x in enumerate(picks):
             ids[i, :len(x)], mask[i, :len(x)] = torch.tensor(x), 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        labels = ids.masked_fill(mask == 0, -100)
-        return self.policy(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.float()
+        return self.train_model(None, ptx=(ids.to(self.device), mask.to(self.device)))
+
+    @property
+    def minibatch_rows(self) -> int:
+        """This process's rows per minibatch."""
+        return self.local_batch // self.cfg.algo.minibatches
+
+    @property
+    def micro_size(self) -> int:
+        """This process's rows per microbatch (gradient accumulation)."""
+        return self.minibatch_rows // self.cfg.algo.grad_accum
 
     # ----------------------------------------------------------------------------------------
-    def step(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """One PPO iteration; returns (metrics, sample rows)."""
+    def step(self, step: int, given: tuple[list[Any], ro.Rollout] | None = None
+             ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One PPO iteration; returns (metrics, sample rows; the rows of every process on process 0).
+        ``given``: (prompts, rollout) to learn from instead of sampling (this process's rows)."""
         cfg, a, g = self.cfg, self.cfg.algo, self.cfg.generation
         t_start = time.perf_counter()
-        prompts = self.prompt_batch(step)
+        prompts = self.prompt_batch(step) if given is None else given[0]
 
         # 1. Rollout: sample a response per row (no grad, KV cache), mask after EOS; ReMax also
         #    decodes one greedy response per prompt, its baseline.
         self.policy.eval()
-        roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
-                           max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
-                           top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
+        if given is None:
+            roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
+                               max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
+                               top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
+        else:
+            roll = given[1]
         if cfg.model.share_prefix:
             roll.share_prefix()  # the prompts' common beginning runs once per pass (ppolm/prefix.py)
         greedy = None
@@ -276,15 +292,15 @@ class PPOTrainer:
             rewards, non_score = core.shape_rewards(scores, kl, beta if cfg.kl.kl_in == "reward" else 0.0, mask)
             if cfg.kl.kl_in == "loss":
                 non_score = -beta * kl
-            if cfg.reward.whiten_rewards:
-                rewards = core.masked_whiten(rewards, mask, shift_mean=False)
+            if cfg.reward.whiten_rewards:  # batch statistics: over every process's rows
+                rewards = distributed.masked_whiten(rewards, mask, shift_mean=False)
 
             # 5. Advantages by GAE (gamma, lambda); returns = advantages + values; whitened per batch.
             old_values = old_values * mask
             advantages, returns = core.gae(rewards, old_values, mask, a.gamma, a.lam)  # (B, R)
-            adv_var = core.masked_var(advantages, mask).item() if mask.sum() > 1 else 0.0
+            adv_var = distributed.masked_var(advantages, mask)
             if a.whiten_advantages:
-                advantages = core.masked_whiten(advantages, mask)
+                advantages = distributed.masked_whiten(advantages, mask)
         else:
             # 5'. A critic-free estimator (--advantage): no values; returns are the advantages.
             rewards, non_score, advantages, adv_var = self.critic_free_advantages(scores, kl, beta, mask,
@@ -298,9 +314,10 @@ class PPOTrainer:
 
         # 6. PPO epochs: clipped policy and value losses on shuffled minibatches (skipped, and
         #    counted, when a reward is not finite).
-        finite = bool(torch.isfinite(scores).all())
+        finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
         if not finite:
-            bad = [k.removeprefix("reward/") for k, v in fo.parts.items() if not torch.isfinite(v).all()]
+            bad = [k.removeprefix("reward/") for k, v in fo.parts.items() if not torch.isfinite(v).all()] or \
+                ["another process's reward"]
             self.skip_cause = f"non-finite reward (NaN/inf) from {', '.join(bad or ['penalties'])}"
             self.warn_once("reward", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
         stats, skipped, epochs_done = self.update(exp, beta, step, a.ppo_epochs if finite else 0)
@@ -309,7 +326,8 @@ class PPOTrainer:
 
         # 7. Adapt the KL coefficient once per batch, only after an update (a skipped one leaves the
         #    policy, hence the KL it is steering, where it was); advance the learning-rate schedules.
-        mean_kl = kl.sum(1).mean().item()
+        kl_sum, rows = distributed.all_sum_floats([kl.sum().item(), kl.shape[0]])
+        mean_kl = kl_sum / rows  # over every process's rows: beta stays the same everywhere
         if not skipped and math.isfinite(mean_kl):
             self.kl_ctl.update(mean_kl, 1)  # one PPO update: --kl-horizon counts updates
         lr = self.actor_sched.get_last_lr()[0]
@@ -329,6 +347,7 @@ class PPOTrainer:
             kl_seq = kl.sum(1)
             for p, t, s, k, n in zip(prompts, fo.texts, scores.tolist(), kl_seq.tolist(), roll.lengths.tolist()):
                 samples.append({"step": step, "prompt": p.raw, "response": t, "score": s, "kl": k, "length": n})
+            samples = [r for rows in distributed.gather_objects(samples) for r in rows]
         return metrics, samples
 
     def critic_free_advantages(self, scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor,
@@ -351,10 +370,10 @@ class PPOTrainer:
             base = core.group_baseline(scores, gid) if a.advantage == "reinforce++-baseline" else scores
             rewards, non_score = core.shape_rewards(base, kl, beta if in_reward else 0.0, mask)
             if self.cfg.reward.whiten_rewards:
-                rewards = core.masked_whiten(rewards, mask, shift_mean=False)
+                rewards = distributed.masked_whiten(rewards, mask, shift_mean=False)
             returns = core.reinforce_pp_returns(rewards, mask, a.gamma)
-            adv_var = core.masked_var(returns, mask).item() if mask.sum() > 1 else 0.0
-            advantages = core.masked_whiten(returns, mask)
+            adv_var = distributed.masked_var(returns, mask)
+            advantages = distributed.masked_whiten(returns, mask)
         else:
             rewards, non_score = core.shape_rewards(scores, kl, beta if in_reward else 0.0, mask)
             seq = scores + non_score.sum(1) if in_reward else scores  # (B,)
@@ -365,7 +384,7 @@ class PPOTrainer:
             else:  # remax
                 per_seq = core.remax_advantages(seq, greedy_scores)
             advantages = per_seq.float()[:, None] * mask
-            adv_var = core.masked_var(advantages, mask).item() if mask.sum() > 1 else 0.0
+            adv_var = distributed.masked_var(advantages, mask)
         if not in_reward:
             non_score = -beta * kl
         return rewards, non_score, advantages, adv_var
@@ -382,11 +401,16 @@ class PPOTrainer:
                                                          "ratio", "ptx", "dual_clipfrac")}
         skipped, epochs_done = 0, 0
         gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
+        length = cfg.generation.response_length
         for _epoch in range(epochs):
-            perm = torch.randperm(a.batch_size, generator=gen).to(self.device)
+            # each process shuffles its own rows with the same generator (one process: the whole batch)
+            perm = torch.randperm(self.local_batch, generator=gen).to(self.device)
+            micros = [mb.split(self.micro_size) for mb in perm.split(self.minibatch_rows)]
+            scales = self.global_scales(exp.mask, [m for mb in micros for m in mb])
             epoch_kl = []
-            for mb in perm.split(cfg.minibatch_size):
-                for micro in mb.split(cfg.microbatch_size):
+            for mb in micros:
+                for micro in mb:
+                    pg_scale, tok_scale = scales.pop(0)  # this microbatch's share of the global averages
                     if exp.first_pass is not None:  # the rollout pass, with grad (rows in minibatch order)
                         logp, ent, v = (None if x is None else x[micro] for x in exp.first_pass)
                     else:
@@ -398,12 +422,12 @@ class PPOTrainer:
                     m_ = exp.mask[micro]
                     pg_loss, pg = core.policy_loss(logp, exp.old_logprobs[micro], exp.advantages[micro], m_,
                                                    a.clip_eps, clip_eps_high=a.clip_eps_high, dual_clip=a.dual_clip,
-                                                   loss_agg=a.loss_agg, agg_constant=cfg.generation.response_length)
-                    loss = pg_loss
+                                                   loss_agg=a.loss_agg, agg_constant=length)
+                    loss = pg_loss * pg_scale
                     if cfg.kl.kl_in == "loss":  # always k3: the k1 gradient ignores the reference
-                        loss = loss + beta * core.kl_loss(logp, exp.ref_logprobs[micro], m_)
+                        loss = loss + beta * core.kl_loss(logp, exp.ref_logprobs[micro], m_) * tok_scale
                     if a.entropy_coef:
-                        loss = loss - a.entropy_coef * core.masked_mean(ent, m_)
+                        loss = loss - a.entropy_coef * core.masked_mean(ent, m_) * tok_scale
                     if self.ptx_ids:
                         ptx = self.ptx_loss(gen)
                         loss = loss + a.ptx_coef * ptx
@@ -415,9 +439,9 @@ class PPOTrainer:
                     if self.has_critic:
                         vf_loss, vf = core.value_loss(v, exp.values[micro], exp.returns[micro], m_, a.vf_clip)
                         # separate critic: its own graph and optimiser; shared trunk: weighted sum
-                        loss = loss + (a.vf_coef * vf_loss if self.value_head is not None else vf_loss)
+                        loss = loss + (a.vf_coef * vf_loss if self.value_head is not None else vf_loss) * tok_scale
                         logged += [("vf", vf_loss), ("vf_clipfrac", vf["clipfrac"])]
-                    (loss / a.grad_accum).backward()
+                    (loss / a.grad_accum).backward()  # with DDP: the gradients averaged over processes
                     self.actor.grads_to_master()  # bf16 models: accumulate in fp32, not in bf16
                     self.critic_weights.grads_to_master()
                     for key, val in logged:
@@ -429,11 +453,42 @@ class PPOTrainer:
                     self.warn_once("grad", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
             epochs_done += 1
             exp.first_pass = None  # the first epoch's graph is spent
-            # Early stop for the batch once the policy moved too far from the rollout policy.
-            if a.target_kl is not None and sum(epoch_kl) / len(epoch_kl) > a.target_kl:
+            # Early stop for the batch once the policy moved too far from the rollout policy
+            # (judged on every process's microbatches, so all stop together).
+            kl_total, kl_n = distributed.all_sum_floats([sum(epoch_kl), len(epoch_kl)])
+            if a.target_kl is not None and kl_total / kl_n > a.target_kl:
                 break
         exp.first_pass = None
-        return stats, skipped, epochs_done
+        return self.average_stats(stats), skipped, epochs_done
+
+    def global_scales(self, mask: torch.Tensor, micros: list[torch.Tensor]) -> list[tuple[float, float]]:
+        """For each microbatch (row indices into ``mask``): the factors that make its policy loss
+        (aggregated by --loss-agg) and its token-mean losses (value, KL, entropy) this process's share
+        of the averages over the global microbatch (:func:`ppolm.distributed.scale_to_global`); all
+        (1, 1) on one process. One all-reduce for the whole epoch."""
+        if self.world == 1:
+            return [(1.0, 1.0)] * len(micros)
+        a, length = self.cfg.algo, self.cfg.generation.response_length
+        local = []
+        for idx in micros:
+            m = mask[idx]
+            local += [core.aggregate_denominator(m, a.loss_agg, length), float(m.sum())]
+        total = distributed.all_sum_floats(local)
+        return [(distributed.scale_to_global(local[2 * i], total[2 * i]),
+                 distributed.scale_to_global(local[2 * i + 1], total[2 * i + 1])) for i in range(len(micros))]
+
+    def average_stats(self, stats: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Each per-microbatch statistic averaged over the processes (every process ran the same
+        number of microbatches); unchanged on one process."""
+        if self.world == 1:
+            return stats
+        keys = [k for k in stats if stats[k]]
+        flat = distributed.all_sum_floats([x for k in keys for x in stats[k]])
+        out, i = {k: [] for k in stats}, 0
+        for k in keys:
+            out[k] = [x / self.world for x in flat[i:i + len(stats[k])]]
+            i += len(stats[k])
+        return out
 
     def train(self) -> PPOResult:
         """The whole run (ppolm/ppo_run.py): resume, steps, evaluation, checkpoints, final outputs."""

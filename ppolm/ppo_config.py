@@ -148,6 +148,8 @@ class KLConfig:
     """Adapt beta to keep KL near --kl-target (Ziegler et al. 2019); off = fixed beta."""
     kl_target: float = 6.0
     """Target KL (nats per response, summed over tokens) for the adaptive controller."""
+    kl_coef_min: float | None = None
+    """Floor of the adaptive coefficient: beta never falls below it (None = no floor, as Ziegler et al.). A floor keeps beta from winding down while the KL sits below --kl-target, as it does for the many updates a rare reward takes to be found."""
     kl_horizon: int = 10
     """Horizon of the adaptive controller, in PPO updates: each update moves beta by at most 20%/horizon (beta *= 1 + clip(KL/target - 1, +-0.2) / horizon). Ziegler et al. count it in samples (10000, with batches of 512: ~20 updates); counted in samples it would barely move at the small batches of a laptop (8 rollouts: 0.02% per update), so ppolm counts updates."""
 
@@ -186,6 +188,8 @@ class RunConfig:
     """Extra scorers used only for evaluation, never for training (e.g. a gold judge): 'file.py:fn' or 'module:fn'."""
     best_metric: str | None = None
     """Keep the policy that maximises this eval metric (e.g. eval/gold_judge) in best/ with best.json."""
+    dist_timeout: float = 600.0
+    """Under torchrun: seconds a process waits in a collective for the others before failing (a process that died or hangs then stops the job instead of blocking it forever)."""
 
 
 @dataclass
@@ -199,8 +203,9 @@ class PPOConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
-    def validate(self) -> None:
-        """Reject impossible combinations with one line each; derived sizes are properties."""
+    def validate(self, world_size: int = 1) -> None:
+        """Reject impossible combinations with one line each; derived sizes are properties.
+        ``world_size``: the number of processes (torchrun) that will share each batch."""
         a, g, k, r = self.algo, self.generation, self.kl, self.reward
 
         def need(ok: bool, msg: str) -> None:
@@ -233,6 +238,7 @@ class PPOConfig:
         need(a.adam_eps > 0 and a.max_grad_norm > 0, "--adam-eps and --max-grad-norm must be > 0")
         need(k.kl_coef >= 0, f"--kl-coef must be >= 0; got {k.kl_coef}")
         need(k.kl_target > 0 and k.kl_horizon > 0, "--kl-target and --kl-horizon must be > 0")
+        need(k.kl_coef_min is None or k.kl_coef_min >= 0, f"--kl-coef-min must be >= 0; got {k.kl_coef_min}")
         need(self.model.critic_layers >= 0, f"--critic-layers must be >= 0; got {self.model.critic_layers}")
         need(self.model.lora_r >= 0, f"--lora-r must be >= 0; got {self.model.lora_r}")
         need(a.target_kl is None or a.target_kl > 0, "--target-kl must be > 0 (or none)")
@@ -260,6 +266,18 @@ class PPOConfig:
              "or > 1")
         need(a.clip_eps_high is None or a.clip_eps_high > 0, f"--clip-eps-high must be > 0; got {a.clip_eps_high}")
         need(a.dual_clip is None or a.dual_clip > 1, f"--dual-clip must be > 1; got {a.dual_clip}")
+        need(self.run.dist_timeout > 0, f"--dist-timeout must be > 0 seconds; got {self.run.dist_timeout}")
+        if world_size > 1:  # each process takes an equal share of the prompts, whole groups, whole minibatches
+            prompts = a.batch_size // spp
+            need(prompts % world_size == 0,
+                 f"{world_size} processes (WORLD_SIZE) cannot share the {prompts} prompts of a step (--batch-size "
+                 f"{a.batch_size} / --samples-per-prompt {spp}) equally; use a --batch-size that is a multiple of "
+                 f"{world_size * spp}, or another --nproc-per-node")
+            rows = a.batch_size // world_size
+            need(rows % (a.minibatches * a.grad_accum) == 0,
+                 f"each of the {world_size} processes holds {rows} rows of a batch, which --minibatches "
+                 f"{a.minibatches} x --grad-accum {a.grad_accum} must divide; use a --batch-size that is a multiple "
+                 f"of {world_size * a.minibatches * a.grad_accum}")
         need(self.run.eval_prompts is not None or not (self.run.eval_reward_fn or self.run.best_metric),
              "--eval-reward-fn and --best-metric need --eval-prompts FILE")
         need(not (g.ignore_eos and r.missing_eos_penalty is not None),

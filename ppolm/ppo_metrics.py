@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ppolm import core
+from ppolm import core, distributed
 from ppolm import rollout as ro
 
 
@@ -30,28 +30,54 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
         return sum(xs) / len(xs) if xs else float("nan")
 
     t_start, t_rollout, t_score, t_train = times
+    # Batch quantities as (sum, count) over every process's rows, summed in one all-reduce: the
+    # same row on each process, equal to one process's on the whole batch.
+    rows, tokens = float(mask.shape[0]), mask.sum()
+    seq_kl = exp.kl.sum(1)
+    sums = distributed.Sums()
+    sums.add("objective/kl", seq_kl.sum(), rows)
+    sums.add("objective/entropy", (-exp.old_logprobs * mask).sum(), rows)
+    sums.add("objective/scores", exp.scores.sum(), rows)
+    sums.add("objective/non_score_reward", exp.non_score.sum(), rows)
+    sums.add("objective/rlhf_reward", (exp.scores + exp.non_score.sum(1)).sum(), rows)
+    sums.add("policy/entropy_avg", core.masked_sum(exp.entropy, mask), tokens)
+    sums.add("val/num_eos_tokens", (roll.response == eos_id).sum(), 1.0 / distributed.world_size())
+    # |recomputed - sampled| log-prob per token: ~0 in fp32, bf16 rounding of two computation
+    # paths (KV-cache decoding vs one full pass) otherwise; large values mean the rollouts were
+    # not drawn from the distribution PPO optimises
+    sums.add("policy/sampler_logprob_gap", core.masked_sum((exp.old_logprobs - roll.sample_logprobs).abs(), mask),
+             tokens)
+    sums.add("response/length_mean", roll.lengths.sum(), rows)
+    # explained variance from the moments of the returns and of the residuals
+    ret, res = exp.returns.double(), (exp.returns - exp.values).double()
+    for name, x in (("ret", ret), ("res", res)):
+        sums.add(f"{name}1", core.masked_sum(x, mask), tokens)
+        sums.add(f"{name}2", core.masked_sum(x * x, mask), tokens)
+    for name, s in parts.items():
+        sums.add(name, s.float().sum(), rows)
+    g = sums.means()
+    var_ret, var_res = g.pop("ret2") - g.pop("ret1") ** 2, g.pop("res2") - g.pop("res1") ** 2
+    g["val/num_eos_tokens"] = int(round(g["val/num_eos_tokens"]))
     metrics = {
-        "objective/kl": exp.kl.sum(1).mean().item(),
+        "objective/kl": g["objective/kl"],
         "objective/kl_coef": beta,
-        "objective/entropy": (-exp.old_logprobs * mask).sum(1).mean().item(),
-        "objective/scores": exp.scores.mean().item(),
-        "objective/non_score_reward": exp.non_score.sum(1).mean().item(),
-        "objective/rlhf_reward": (exp.scores + exp.non_score.sum(1)).mean().item(),
+        "objective/entropy": g["objective/entropy"],
+        "objective/scores": g["objective/scores"],
+        "objective/non_score_reward": g["objective/non_score_reward"],
+        "objective/rlhf_reward": g["objective/rlhf_reward"],
         "policy/approxkl_avg": avg(stats["approxkl"]),
         "policy/clipfrac_avg": avg(stats["clipfrac"]),
-        "policy/entropy_avg": core.masked_mean(exp.entropy, mask).item(),
+        "policy/entropy_avg": g["policy/entropy_avg"],
         "loss/policy_avg": avg(stats["pg"]),
         "loss/value_avg": avg(stats["vf"]),
         "val/clipfrac_avg": avg(stats["vf_clipfrac"]),
         "val/ratio": avg(stats["ratio"]),
-        "val/vf_explained_var": core.explained_variance(exp.values, exp.returns, mask),
-        "val/num_eos_tokens": int((roll.response == eos_id).sum()),
-        # |recomputed - sampled| log-prob per token: ~0 in fp32, bf16 rounding of two computation
-        # paths (KV-cache decoding vs one full pass) otherwise; large values mean the rollouts were
-        # not drawn from the distribution PPO optimises
-        "policy/sampler_logprob_gap": core.masked_mean((exp.old_logprobs - roll.sample_logprobs).abs(), mask).item(),
+        # 1 - Var(R - v) / Var(R) over the real tokens (core.explained_variance), nan if Var(R) = 0
+        "val/vf_explained_var": 1.0 - var_res / var_ret if var_ret > 0 else float("nan"),
+        "val/num_eos_tokens": g["val/num_eos_tokens"],
+        "policy/sampler_logprob_gap": g["policy/sampler_logprob_gap"],
         "adv/var": adv_var,
-        "response/length_mean": roll.lengths.float().mean().item(),
+        "response/length_mean": g["response/length_mean"],
         "lr": lr,
         "lr/critic": critic_lr,
         "ppo/epochs": epochs,
@@ -68,6 +94,6 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
         metrics["policy/dual_clipfrac_avg"] = avg(stats["dual_clipfrac"])
     if stats["ptx"]:
         metrics["loss/ptx_avg"] = avg(stats["ptx"])
-    for name, s in parts.items():
-        metrics[name] = s.float().mean().item()
+    for name in parts:
+        metrics[name] = g[name]
     return metrics

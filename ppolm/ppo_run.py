@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ppolm import alarms, checkpoint, config, runtime
+from ppolm import alarms, checkpoint, config, distributed, runtime
 from ppolm.errors import PPOLMError
 
 OUTPUTS = ("policy", "policy_adapter", "critic", "checkpoints", "tensorboard", "metrics.jsonl", "samples.jsonl",
@@ -36,10 +36,12 @@ class PPOResult:
 
 def run(trainer: Any) -> PPOResult:
     """Train for --steps PPO steps (from the newest checkpoint with --resume) and write the outputs;
-    Ctrl-C/SIGTERM ends the run after its current step, with a checkpoint."""
+    Ctrl-C/SIGTERM ends the run after its current step, with a checkpoint. With several processes
+    (torchrun) every one runs the steps and process 0 alone writes (``main`` below)."""
     from ppolm import tracking
 
     cfg = trainer.cfg
+    main = distributed.is_main()
     # a skipped (non-finite) update still advances the schedules, on purpose: resume-exact
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
     if cfg.run.resume:
@@ -54,42 +56,49 @@ def run(trainer: Any) -> PPOResult:
                   f"{trainer.start_step + 1}/{cfg.algo.steps} (the progress bar starts after it)", file=sys.stderr)
             first_eval = trainer.evaluate(0) if evaluating and trainer.start_step == 0 else None
             first = trainer.step(trainer.start_step) if trainer.start_step < cfg.algo.steps else None
-            runtime.prepare_ppo_output_dir(trainer.out, cfg, OUTPUTS, commit=True)
-            config.save_yaml(cfg, trainer.out / "config.yaml")
-            for f in ("metrics.jsonl", "samples.jsonl"):
-                tracking.truncate_rows(trainer.out / f, trainer.start_step)
-            for f in ("eval.jsonl", "eval_samples.jsonl"):  # keyed by updates done: the start's eval is kept
-                tracking.truncate_rows(trainer.out / f, trainer.start_step + 1)
+            if main:
+                runtime.prepare_ppo_output_dir(trainer.out, cfg, OUTPUTS, commit=True)
+                config.save_yaml(cfg, trainer.out / "config.yaml")
+                for f in ("metrics.jsonl", "samples.jsonl"):
+                    tracking.truncate_rows(trainer.out / f, trainer.start_step)
+                for f in ("eval.jsonl", "eval_samples.jsonl"):  # keyed by updates done: the start's eval is kept
+                    tracking.truncate_rows(trainer.out / f, trainer.start_step + 1)
         except OSError as e:
             raise checkpoint.disk_error(e, trainer.out) from None
-        if cfg.run.best_metric and (trainer.out / "best.json").exists():
+        if main and cfg.run.best_metric and (trainer.out / "best.json").exists():
             trainer.best_value = json.loads((trainer.out / "best.json").read_text())["value"]
 
         tracker = None
         step = trainer.start_step
         try:
-            tracker = tracking.Tracker(trainer.out, cfg.algo.steps, trainer.start_step, cfg.run.quiet, t0=t_begin)
-            # the debugging checklist's alarms, live (ppolm/alarms.py): warned once, marked in metrics.jsonl
-            live_alarms = alarms.LiveAlarms(kl_target=cfg.kl.kl_target if cfg.kl.adaptive_kl else None,
-                                            emit=tracker.warn,
-                                            rows=tracking.read_jsonl(trainer.out / "metrics.jsonl"))
+            live_alarms = None
+            if main:
+                tracker = tracking.Tracker(trainer.out, cfg.algo.steps, trainer.start_step, cfg.run.quiet,
+                                           t0=t_begin)
+                # the debugging checklist's alarms, live (ppolm/alarms.py): warned once, marked in metrics.jsonl
+                live_alarms = alarms.LiveAlarms(kl_target=cfg.kl.kl_target if cfg.kl.adaptive_kl else None,
+                                                emit=tracker.warn,
+                                                rows=tracking.read_jsonl(trainer.out / "metrics.jsonl"))
             if first_eval is not None:
-                tracker.log_eval(0, *first_eval)
-                keep_best(trainer, 0, first_eval[0])
+                log_eval(trainer, tracker, 0, first_eval)
             for step in range(trainer.start_step, cfg.algo.steps):
                 metrics, samples = first if step == trainer.start_step else trainer.step(step)
                 first = None
-                metrics.update(live_alarms(step, metrics))
-                tracker.log(step, metrics)
-                if samples:
-                    tracker.samples(samples)
+                if main:
+                    metrics.update(live_alarms(step, metrics))
+                    tracker.log(step, metrics)
+                    if samples:
+                        tracker.samples(samples)
                 last = step + 1 == cfg.algo.steps
                 check_health(trainer, step, last)
                 if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
-                    run_eval(trainer, step + 1, tracker)
-                if (step + 1) % cfg.run.save_every == 0 or last or stop["requested"]:
+                    log_eval(trainer, tracker, step + 1, trainer.evaluate(step + 1))
+                # a signal reaches some processes only (Ctrl-C on one node): all stop after the same step
+                stopping = distributed.any_flag(stop["requested"])
+                if (step + 1) % cfg.run.save_every == 0 or last or stopping:
                     save_checkpoint(trainer, step + 1)
-                if stop["requested"] and not last:
+                if stopping and not last:
+                    stop["requested"] = True
                     break
         except OSError as e:
             raise checkpoint.disk_error(e, trainer.out) from None
@@ -100,25 +109,42 @@ def run(trainer: Any) -> PPOResult:
     if interrupted:
         print(f"interrupted after step {step + 1}; checkpoint saved. Continue with the same command "
               "plus --resume", file=sys.stderr)
-    else:
+    elif main:
         try:
             save_outputs(trainer)
         except OSError as e:
             raise checkpoint.disk_error(e, trainer.out, "the final policy/critic") from None
-    return PPOResult(trainer.out, tracking.read_jsonl(trainer.out / "metrics.jsonl"), interrupted)
+    rows = distributed.broadcast_object(tracking.read_jsonl(trainer.out / "metrics.jsonl") if main else None)
+    distributed.write_rank_summary(lambda: {
+        "step": step + 1, "beta": trainer.kl_ctl.value, "last_row": rows[-1] if rows else None,
+        "weights": distributed.checksum(p for _, p in trainer.trained_parameters())})
+    distributed.barrier()  # the outputs are complete when any process returns
+    return PPOResult(trainer.out, rows, interrupted)
 
 
 def resume(trainer: Any) -> None:
-    """Continue from the newest valid checkpoint in --output-dir (``--resume``), if there is one."""
+    """Continue from the newest valid checkpoint in --output-dir (``--resume``), if there is one.
+    With several processes each reads it (the directory must be on storage they all see) and takes
+    its own random-number state from it."""
     found = checkpoint.load_latest(trainer.out / "checkpoints")
+    seen = distributed.gather_objects(None if not found else str(found[0]))
+    if len(set(seen)) > 1:
+        raise distributed.RankError(f"the processes found different checkpoints to resume from ({', '.join(map(str, seen))}): "
+                         "--output-dir must be one directory that every node sees (a shared filesystem)")
     if not found:
         print(f"no checkpoint in {trainer.out}; starting from step 0", file=sys.stderr)
         return
     path, tensors, meta = found
+    saved_world = int(meta.get("world_size", 1))
+    if saved_world != trainer.world:
+        raise distributed.RankError(
+            f"checkpoint {path} was written by {saved_world} process(es) and this run has {trainer.world}: each "
+            f"process resumes its own random-number streams; resume with torchrun --nproc-per-node {saved_world}"
+            f"{' (or without torchrun)' if saved_world == 1 else ''}, or start again with --overwrite")
     try:
         load_state(trainer, tensors, meta)
     except (KeyError, RuntimeError, ValueError, TypeError) as e:
-        raise PPOLMError(f"checkpoint {path} does not match this model or version "
+        raise distributed.RankError(f"checkpoint {path} does not match this model or version "
                          f"({type(e).__name__}: {str(e)[:120]}); resume with the same --model, "
                          "or start again with --overwrite") from None
     print(f"resuming from {path} (step {trainer.start_step})", file=sys.stderr)
@@ -130,18 +156,20 @@ def check_health(trainer: Any, step: int, last: bool) -> None:
     # a run that ends having skipped every update trained nothing: the same error, sooner
     if n >= trainer.cfg.run.max_skipped_updates or (last and n > step):
         cause = getattr(trainer, "skip_cause", "non-finite values")
-        raise PPOLMError(f"{n} consecutive updates skipped (last at step {step}: {cause}); fix the reward or "
+        raise distributed.RankError(f"{n} consecutive updates skipped (last at step {step}: {cause}); fix the reward or "
                          "lower --actor-lr, then continue from the last checkpoint with --resume")
     bad = checkpoint.first_non_finite(trainer.trained_parameters())
     if bad:
-        raise PPOLMError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "
+        raise distributed.RankError(f"non-finite weights in {bad} after step {step}; nothing saved from this step. "
                          "Lower --actor-lr/--critic-lr and continue from the last checkpoint with --resume")
 
 
-def run_eval(trainer: Any, updates: int, tracker: Any) -> None:
-    metrics, rows = trainer.evaluate(updates)
-    tracker.log_eval(updates, metrics, rows)
-    keep_best(trainer, updates, metrics)
+def log_eval(trainer: Any, tracker: Any, updates: int, result: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
+    """Write a held-out evaluation (every process computed its share; process 0 writes) and keep
+    the best policy."""
+    if tracker is not None:
+        tracker.log_eval(updates, *result)
+    keep_best(trainer, updates, result[0])
 
 
 def keep_best(trainer: Any, updates: int, metrics: dict[str, Any]) -> None:
@@ -151,9 +179,11 @@ def keep_best(trainer: Any, updates: int, metrics: dict[str, Any]) -> None:
     name = trainer.cfg.run.best_metric
     if name is None:
         return
-    if name not in metrics:
-        raise PPOLMError(f"--best-metric {name} is not an eval metric; choose one of "
-                         f"{', '.join(k for k in metrics if k.startswith('eval/') and not k.endswith('_se'))}")
+    if name not in metrics:  # every process has the metrics: each stops here, process 0 says why
+        raise distributed.RankError(f"--best-metric {name} is not an eval metric; choose one of "
+                                    f"{', '.join(k for k in metrics if k.startswith('eval/') and not k.endswith('_se'))}")
+    if not distributed.is_main():
+        return
     if metrics[name] > trainer.best_value:
         trainer.best_value = metrics[name]
         best = trainer.out / "best"
@@ -167,12 +197,14 @@ def keep_best(trainer: Any, updates: int, metrics: dict[str, Any]) -> None:
 
 
 def state(trainer: Any, next_step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The checkpoint: trained weights and optimiser states (the same on every process) and every
+    process's random-number state (process r's under ``rank<r>.``, with several)."""
     tensors = dict(trainer.trained_parameters())
     ta, ma = checkpoint.optimizer_state(trainer.actor_opt, "actor_opt")
-    tr, mr = checkpoint.rng_state()
+    tr, mr = checkpoint.rng_state(distributed.gather_objects(checkpoint.rng_state()))
     tensors.update(ta | tr)
     meta = {"next_step": next_step, "kl_ctl": trainer.kl_ctl.state_dict(), "actor_opt": ma,
-            "actor_sched": trainer.actor_sched.state_dict(),
+            "actor_sched": trainer.actor_sched.state_dict(), "world_size": trainer.world,
             "rng": mr, "skipped_total": trainer.skipped_total, "consecutive_skips": trainer.consecutive_skips}
     if trainer.critic_opt is not None:  # the critic-free estimators have none
         tc, mc = checkpoint.optimizer_state(trainer.critic_opt, "critic_opt")
@@ -194,13 +226,14 @@ def load_state(trainer: Any, tensors: dict[str, torch.Tensor], meta: dict[str, A
         trainer.critic_sched.load_state_dict(meta["critic_sched"])
     trainer.kl_ctl.load_state_dict(meta["kl_ctl"])
     trainer.skipped_total, trainer.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
-    checkpoint.set_rng_state(tensors, meta["rng"])
+    checkpoint.set_rng_state(tensors, meta["rng"], trainer.rank)
     trainer.start_step = meta["next_step"]
 
 
 def save_checkpoint(trainer: Any, next_step: int) -> None:
-    tensors, meta = state(trainer, next_step)
-    checkpoint.save(trainer.out / "checkpoints", next_step, tensors, meta, trainer.cfg.run.keep_last)
+    tensors, meta = state(trainer, next_step)  # every process takes part (its random-number state)
+    if distributed.is_main():
+        checkpoint.save(trainer.out / "checkpoints", next_step, tensors, meta, trainer.cfg.run.keep_last)
 
 
 def save_outputs(trainer: Any) -> None:

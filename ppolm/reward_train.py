@@ -308,10 +308,9 @@ def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
 
 
 def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
-    from ppolm import checkpoint, models
-    from ppolm.runtime import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
+    from ppolm import checkpoint, distributed, models
+    from ppolm.runtime import resolve_device, resolve_precision, seed_everything
 
-    refuse_data_parallel()
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)
@@ -332,6 +331,7 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     if not train:
         raise PPOLMError(f"{cfg.data} leaves no training pairs after the held-out split; add rows or lower "
                          "--eval-fraction")
+    device = distributed.init(cfg.device, cfg.dist_timeout)  # torchrun: join the others (ppolm/distributed.py)
     model = models.load_scalar_model(cfg.model, head_init="reward", dtype=torch.float32, device=device,
                                      tokenizer=tok, trust_remote_code=cfg.trust_remote_code,
                                      allow_pickle=cfg.allow_pickle)
@@ -339,11 +339,12 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     if cfg.lora_r == 0:
         freeze_lower_layers(model, cfg.train_layers)
     params = [p for p in model.parameters() if p.requires_grad]
-    runtime.prepare_output_dir(out, cfg, "reward_config.yaml", commit=True)
-    try:
-        runtime.write_config(cfg, out / "reward_config.yaml")
-    except OSError as e:
-        raise checkpoint.disk_error(e, out) from None
+    if distributed.is_main():
+        runtime.prepare_output_dir(out, cfg, "reward_config.yaml", commit=True)
+        try:
+            runtime.write_config(cfg, out / "reward_config.yaml")
+        except OSError as e:
+            raise checkpoint.disk_error(e, out) from None
     # training items: pairs, or with --group-by-prompt each prompt's pairs (in order of first appearance)
     groups: dict[int, list[int]] = {}
     for i, k in enumerate(keys):
@@ -379,15 +380,17 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
             last_eval.update(ev)
         return row
 
-    def step_fn(idx: list[int]) -> tuple[torch.Tensor, int, dict[str, int]]:
+    def step_fn(idx: list[int], forward: Any) -> tuple[torch.Tensor, int, dict[str, int]]:
+        """The loss is the mean over the batch's pairs (or, --group-by-prompt, its prompts)."""
         if not cfg.group_by_prompt:
             batch = [train[j] for j in idx]
-            s = scores([c for c, _, _ in batch] + [r for _, r, _ in batch])
+            s = forward(scores, [c for c, _, _ in batch] + [r for _, r, _ in batch])
             rc, rr = s[:len(batch)], s[len(batch):]
             loss = core.pairwise_loss(rc, rr, torch.tensor([m for _, _, m in batch], device=device))
             if cfg.center_coef:
                 loss = loss + cfg.center_coef * ((rc + rr) ** 2).mean()
-            return loss, 1, {"tokens": sum(len(c) + len(r) for c, r, _ in batch), "correct": int((rc > rr).sum())}
+            return loss, len(batch), {"tokens": sum(len(c) + len(r) for c, r, _ in batch),
+                                      "correct": int((rc > rr).sum())}
         # each distinct response of the batch's prompts scored once; a prompt's pairs weigh as one item
         seq_index: dict[tuple[int, ...], int] = {}
         ci, ri, gi, margins = [], [], [], []
@@ -398,14 +401,14 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
                 ri.append(seq_index.setdefault(tuple(r), len(seq_index)))
                 gi.append(g)
                 margins.append(m)
-        s = scores([list(x) for x in seq_index])
+        s = forward(scores, [list(x) for x in seq_index])
         as_long = dict(dtype=torch.long, device=s.device)
         c_t, r_t = torch.tensor(ci, **as_long), torch.tensor(ri, **as_long)
         loss = core.grouped_pairwise_loss(s, c_t, r_t, torch.tensor(gi, **as_long),
                                           torch.tensor(margins, device=s.device))
         if cfg.center_coef:
             loss = loss + cfg.center_coef * ((s[c_t] + s[r_t]) ** 2).mean()
-        return loss, 1, {"tokens": sum(len(x) for x in seq_index), "correct": int((s[c_t] > s[r_t]).sum())}
+        return loss, len(idx), {"tokens": sum(len(x) for x in seq_index), "correct": int((s[c_t] > s[r_t]).sum())}
 
     def epoch_row(epoch: int, acc: dict[str, Any]) -> dict[str, Any]:
         return held_out({"epoch": epoch, "train_loss": acc["loss_sum"] / acc["loss_n"] if acc["loss_n"] else None,
@@ -416,6 +419,9 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     if not loop.run():
         return loop.rows, False
     rows = loop.rows
+    if not distributed.is_main():  # process 0 saves and normalises the model
+        distributed.barrier()
+        return rows, True
     sft.save_model(model, tok, out, merge=True)
     if held:
         # the final model's raw scores of every held-out pair, in the order of --eval-data (or of the
@@ -452,6 +458,7 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
                                             precision=cfg.precision, chat_template=cfg.chat_template,
                                             batch_size=cfg.batch_size)
         rows[-1].update(norm_gain=gain, norm_bias=bias)
+    distributed.barrier()
     return rows, True
 
 

@@ -109,6 +109,17 @@ class RewardFunction:
         return torch.tensor(values, dtype=torch.float32)
 
 
+def reward_model_dir(path: str, *, allow_pickle: bool = False) -> Path:
+    """The model directory of reward model ``path``, checked to have a scalar head (before any model loads)."""
+    from ppolm import models
+
+    found = models.resolve_model_dir(path, allow_pickle=allow_pickle)
+    if not models.has_scalar_head(found):
+        raise PPOLMError(f"reward model {path} has no scalar head (score.weight); train one with "
+                         "`ppolm reward` or pass a sequence-classification model with one label")
+    return found
+
+
 class RewardModel:
     """A frozen scalar-head model, with the gain/bias normalisation stored beside it."""
 
@@ -117,10 +128,7 @@ class RewardModel:
         from ppolm import models
 
         self.name = Path(path).name or str(path)
-        self.dir = models.resolve_model_dir(path, allow_pickle=allow_pickle)
-        if not models.has_scalar_head(self.dir):
-            raise PPOLMError(f"reward model {path} has no scalar head (score.weight); train one with "
-                             "`ppolm reward` or pass a sequence-classification model with one label")
+        self.dir = reward_model_dir(path, allow_pickle=allow_pickle)
         self.model = models.load_scalar_model(self.dir, head_init="keep", dtype=dtype, device=device,
                                               trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
         self.model.requires_grad_(False).eval()

@@ -174,27 +174,26 @@ def seeded_rng(seed: int, device: torch.device) -> Iterator[None]:
 
 # ------------------------------------------------------------------------------- the process
 
-def refuse_data_parallel() -> None:
-    """Refuse to run as one of several processes (``torchrun --nproc-per-node N`` sets WORLD_SIZE):
-    nothing is synchronised across processes yet, so N of them would train N independent models
-    and race on one --output-dir."""
-    n = os.environ.get("WORLD_SIZE", "1").strip() or "1"
-    if n != "1":
-        raise PPOLMError(f"data-parallel training is not supported yet: run one process (WORLD_SIZE={n} was set "
-                         "by torchrun or the environment)")
-
-
 @contextlib.contextmanager
 def stop_on_signal() -> Iterator[dict[str, bool]]:
     """While active, the first Ctrl-C or SIGTERM only sets ``stop["requested"]`` (the training loop
     then saves a checkpoint and ends after its current step); a second one aborts at once
-    (KeyboardInterrupt). Handlers are installed on the main thread only, and restored on exit."""
-    stop = {"requested": False}
+    (KeyboardInterrupt). Handlers are installed on the main thread only, and restored on exit.
+
+    Under torchrun a Ctrl-C reaches each worker twice, from the terminal (the whole foreground
+    process group) and from torchrun passing it on; so there a second signal aborts only when it
+    comes more than ``REPEAT_S`` seconds after the first."""
+    import time
+
+    stop: dict[str, Any] = {"requested": False}
+    several = os.environ.get("WORLD_SIZE", "1") not in ("", "1")
 
     def on_signal(signum: int, frame: Any) -> None:
         if stop["requested"]:
+            if several and time.monotonic() - stop["at"] < REPEAT_S:
+                return
             raise KeyboardInterrupt
-        stop["requested"] = True
+        stop["requested"], stop["at"] = True, time.monotonic()
         print("\nstopping after this step to save a checkpoint (Ctrl-C again to abort without saving)",
               file=sys.stderr, flush=True)
 
@@ -205,6 +204,10 @@ def stop_on_signal() -> Iterator[dict[str, bool]]:
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+REPEAT_S = 3.0
+"""Under torchrun, a signal this soon after the first is the same Ctrl-C delivered twice."""
 
 
 _LIBC: Any = None
@@ -231,11 +234,12 @@ def malloc_trim() -> None:
 # A non-empty --output-dir needs --resume (the same options) or --overwrite. Two flavours: PPO's
 # nested config (ppolm ppo) and the flat configs of ppolm sft, reward and dpo.
 
-RUN_CONTROL = {"resume", "overwrite", "quiet", "epochs", "save_every", "keep_last", "max_skipped_updates"}
+RUN_CONTROL = {"resume", "overwrite", "quiet", "epochs", "save_every", "keep_last", "max_skipped_updates",
+               "dist_timeout"}
 """Options a resumed sft/reward/dpo run may change; every other option must match the run it continues."""
 
 PPO_RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "save_every", "keep_last", "sample_every",
-                   "max_skipped_updates"}
+                   "max_skipped_updates", "dist_timeout"}
 """The same for ``ppolm ppo`` (options of any section)."""
 
 

@@ -189,10 +189,9 @@ def train_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
 
 
 def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
-    from ppolm import models
-    from ppolm.runtime import refuse_data_parallel, resolve_device, resolve_precision, seed_everything
+    from ppolm import distributed, models
+    from ppolm.runtime import resolve_device, resolve_precision, seed_everything
 
-    refuse_data_parallel()
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)
@@ -207,15 +206,17 @@ def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
         train, held = split_rows(train, cfg.eval_fraction, cfg.seed)
     if not train:
         raise PPOLMError(f"{cfg.data} leaves no training rows after the held-out split; add rows or lower --eval-fraction")
+    device = distributed.init(cfg.device, cfg.dist_timeout)  # torchrun: join the others (ppolm/distributed.py)
     model = models.load_causal_lm(cfg.model, dtype=torch.float32, device=device, tokenizer=tok,
                                   trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     if cfg.lora_r > 0:
         model = apply_lora(model, cfg, "CAUSAL_LM")
-    prepare_output_dir(out, cfg, "sft_config.yaml", commit=True)
-    try:
-        write_config(cfg, out / "sft_config.yaml")
-    except OSError as e:
-        raise checkpoint.disk_error(e, out) from None
+    if distributed.is_main():
+        prepare_output_dir(out, cfg, "sft_config.yaml", commit=True)
+        try:
+            write_config(cfg, out / "sft_config.yaml")
+        except OSError as e:
+            raise checkpoint.disk_error(e, out) from None
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     opt, sched = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg, steps_per_epoch * cfg.epochs)
     pad = tok.pad_token_id
@@ -224,10 +225,10 @@ def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
         return {"epoch": 0, "eval_loss": eval_loss(model, held, cfg.batch_size, pad, device, cfg.precision)} \
             if held else None
 
-    def step_fn(idx: list[int]) -> tuple[torch.Tensor, int, dict[str, int]]:
+    def step_fn(idx: list[int], forward: Any) -> tuple[torch.Tensor, int, dict[str, int]]:
         ids, mask, loss_mask = collate([train[j] for j in idx], pad, device)
         with autocast(device, cfg.precision):
-            s, n = sft_loss(model, ids, mask, loss_mask)
+            s, n = forward(sft_loss, model, ids, mask, loss_mask)
         return s / max(n, 1), n, {"tokens": int(mask.sum())}
 
     def epoch_row(epoch: int, acc: dict[str, Any]) -> dict[str, Any]:
@@ -239,7 +240,9 @@ def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
     loop = TrainLoop(cfg, out, model, opt, sched, len(train), "sft", step_fn, epoch_row, first_row)
     if not loop.run():
         return loop.rows, False
-    save_model(model, tok, out, merge=cfg.merge_lora)
+    if distributed.is_main():
+        save_model(model, tok, out, merge=cfg.merge_lora)
+    distributed.barrier()
     return loop.rows, True
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ppolm import checkpoint, runtime
+from ppolm import checkpoint, distributed, runtime
 from ppolm.errors import FLOAT32_MAX, PPOLMError
 
 
@@ -43,6 +43,7 @@ def check_common(cfg: Any) -> None:
                     ("max-skipped-updates", cfg.max_skipped_updates)):
         need(v >= 1, f"--{name} must be at least 1; got {v}")
     need(not (cfg.resume and cfg.overwrite), "--resume and --overwrite exclude each other; pick one")
+    need(cfg.dist_timeout > 0, f"--dist-timeout must be > 0 seconds; got {cfg.dist_timeout}")
     out = Path(cfg.output_dir).expanduser().resolve()
     for name, p in (("--model", cfg.model), ("--data", cfg.data), ("--eval-data", cfg.eval_data)):
         if p is not None and (out == Path(p).expanduser().resolve() or out in Path(p).expanduser().resolve().parents):
@@ -91,7 +92,10 @@ class Bar:
 
 
 def log_epoch(out: Path, row: dict[str, Any]) -> None:
-    """Append one row to metrics.jsonl and print it as one line (it stays visible above the bar)."""
+    """Append one row to metrics.jsonl and print it as one line (it stays visible above the bar);
+    process 0 only, with several."""
+    if not distributed.is_main():
+        return
     with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
     text = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
@@ -99,7 +103,10 @@ def log_epoch(out: Path, row: dict[str, Any]) -> None:
 
 
 def write_rows(out: Path, rows: list[dict[str, Any]]) -> None:
-    """Replace metrics.jsonl with ``rows`` atomically (a resumed run starts from its checkpoint's rows)."""
+    """Replace metrics.jsonl with ``rows`` atomically (a resumed run starts from its checkpoint's rows);
+    process 0 only, with several."""
+    if not distributed.is_main():
+        return
     path = out / "metrics.jsonl"
     tmp = path.with_name(".metrics.jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -114,8 +121,11 @@ def apply_lora(model: Any, cfg: Any, task_type: str) -> Any:
                                             target_modules=targets, task_type=task_type))
 
 
-StepFn = Callable[[list[int]], tuple[torch.Tensor, int, dict[str, int]]]
-"""Training rows of one batch -> (mean loss, its weight in the epoch's train_loss, counters to add up)."""
+StepFn = Callable[[list[int], Callable[..., Any]], tuple[torch.Tensor, int, dict[str, int]]]
+"""(this process's training rows of one batch, ``forward``) -> (the loss averaged over the rows' units,
+the number of units (tokens, pairs, prompts) it averages over, counters to add up). The step computes
+everything that needs gradients as ``forward(fn, *args)`` (= ``fn(*args)``, under DDP with several
+processes: ppolm/distributed.py)."""
 
 
 class TrainLoop:
@@ -129,7 +139,11 @@ class TrainLoop:
       (:func:`ppolm.checkpoint.save`: atomic, manifest with checksums, the newest ``--keep-last``),
       holding the trained parameters (those with ``requires_grad``), optimiser and scheduler
       state, the position in the data order, the running epoch sums, every RNG state and the
-      epoch rows so far; ``--resume`` continues bit for bit from the newest valid one.
+      epoch rows so far; ``--resume`` continues bit for bit from the newest valid one;
+    * several processes (torchrun): every process draws the same data order and takes every N-th
+      row of each batch; the model trains under DDP, each loss is scaled to its share of the
+      global batch's average (so the gradient is one process's on the whole batch), the epoch
+      sums are all-reduced, and process 0 alone writes.
     """
 
     def __init__(self, cfg: Any, out: Path, model: Any, opt: torch.optim.Optimizer, sched: Any, n_train: int,
@@ -139,6 +153,8 @@ class TrainLoop:
         self.n_train, self.desc = n_train, desc
         self.step_fn, self.epoch_row, self.first_row = step_fn, epoch_row, first_row
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.device = next(model.parameters()).device
+        self.forward = distributed.ddp(distributed.Through(model), self.device)
         self.steps_per_epoch = math.ceil(n_train / cfg.batch_size)
         self.total = self.steps_per_epoch * cfg.epochs
         self.step = 0  # optimiser steps done (skipped ones included)
@@ -153,10 +169,10 @@ class TrainLoop:
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors = {f"model.{n}": p for n, p in self.named}
         t_opt, m_opt = checkpoint.optimizer_state(self.opt, "opt")
-        t_rng, m_rng = checkpoint.rng_state()
+        t_rng, m_rng = checkpoint.rng_state(distributed.gather_objects(checkpoint.rng_state()))
         tensors.update(t_opt | t_rng)
         mid_epoch = self.step % self.steps_per_epoch != 0
-        meta = {"next_step": self.step, "epochs_done": self.step // self.steps_per_epoch,
+        meta = {"next_step": self.step, "world_size": distributed.world_size(), "epochs_done": self.step // self.steps_per_epoch,
                 "batch_in_epoch": self.step % self.steps_per_epoch, "n_train": self.n_train,
                 "batch_size": self.cfg.batch_size, "order": self.order if mid_epoch else None,
                 "epoch_sums": self.acc if mid_epoch else None, "rows": self.rows, "opt": m_opt,
@@ -165,15 +181,20 @@ class TrainLoop:
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        if int(meta.get("world_size", 1)) != distributed.world_size():
+            raise distributed.RankError(
+                f"the checkpoint was written by {meta.get('world_size', 1)} process(es) and this run has "
+                f"{distributed.world_size()}; resume with the same torchrun --nproc-per-node, or start again "
+                "with --overwrite")
         if meta["n_train"] != self.n_train:
-            raise PPOLMError(f"the training data has {self.n_train} rows now but had {meta['n_train']} when the "
+            raise distributed.RankError(f"the training data has {self.n_train} rows now but had {meta['n_train']} when the "
                              "checkpoint was written; resume with the same --data, or start again with --overwrite")
         with torch.no_grad():
             for n, p in self.named:
                 p.copy_(tensors[f"model.{n}"])
         checkpoint.load_optimizer_state(self.opt, "opt", tensors, meta["opt"])
         self.sched.load_state_dict(meta["sched"])
-        checkpoint.set_rng_state(tensors, meta["rng"])
+        checkpoint.set_rng_state(tensors, meta["rng"], distributed.rank())
         self.step, self.rows = meta["next_step"], meta["rows"]
         self.acc, self.order = meta["epoch_sums"] or {}, meta["order"] or []
         self.skipped_total, self.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
@@ -187,14 +208,15 @@ class TrainLoop:
         try:
             self.load_state(tensors, meta)
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
-            raise PPOLMError(f"checkpoint {path} does not match this model or version ({type(e).__name__}: "
+            raise distributed.RankError(f"checkpoint {path} does not match this model or version ({type(e).__name__}: "
                              f"{str(e)[:120]}); resume with the same options, or start again with --overwrite"
                              ) from None
         print(f"resuming from {path} (step {self.step})", file=sys.stderr)
 
     def save_checkpoint(self) -> None:
-        tensors, meta = self.state()
-        checkpoint.save(self.out / "checkpoints", self.step, tensors, meta, self.cfg.keep_last)
+        tensors, meta = self.state()  # every process takes part (its random-number state)
+        if distributed.is_main():
+            checkpoint.save(self.out / "checkpoints", self.step, tensors, meta, self.cfg.keep_last)
 
     # --------------------------------------------------------------------------- one update
     def warn_once(self, key: str, msg: str) -> None:
@@ -202,14 +224,16 @@ class TrainLoop:
             self.warned.add(key)
             checkpoint.warn(msg)
 
-    def update(self, loss: torch.Tensor) -> float | None:
-        """Backward, clip and step; skip the update on a non-finite loss or gradient. The loss value, or None."""
+    def update(self, loss: torch.Tensor, scale: float = 1.0) -> float | None:
+        """Backward, clip and step; skip the update on a non-finite loss or gradient (on any process:
+        they all skip). ``scale``: this process's share of the global average
+        (:func:`ppolm.distributed.scale_to_global`). The loss value, or None."""
         value = loss.item()
         cause = None
-        if not math.isfinite(value):
-            cause, key = f"non-finite loss ({value})", "loss"
+        if distributed.any_flag(not math.isfinite(value), self.device):
+            cause, key = f"non-finite loss ({value if not math.isfinite(value) else 'on another process'})", "loss"
         else:
-            loss.backward()
+            (loss * scale).backward()  # DDP averages the processes' gradients
             norm = torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.cfg.max_grad_norm)
             if torch.isfinite(norm):
                 self.opt.step()
@@ -226,6 +250,22 @@ class TrainLoop:
         self.skip_cause = f"update {self.step + 1} (epoch {epoch}): {cause}"
         self.warn_once(key, f"{self.skip_cause}; update skipped (counted in guard/skipped_updates)")
         return None
+
+    def global_sums(self, acc: dict[str, Any]) -> dict[str, Any]:
+        """The epoch's sums over every process (its own time_s kept); ``acc`` itself on one process."""
+        if distributed.world_size() == 1:
+            return acc
+        mine = {k: v for k, v in acc.items() if isinstance(v, (int, float)) and k != "time_s"}
+        kinds: dict[str, bool] = {}  # name -> is an integer count (a process may lack a name)
+        for seen in distributed.gather_objects({k: isinstance(v, int) for k, v in mine.items()}):
+            for k, is_int in seen.items():
+                kinds[k] = kinds.get(k, True) and is_int
+        keys = sorted(kinds)
+        total = distributed.all_sum_floats([mine.get(k, 0) for k in keys], self.device)
+        out = dict(acc)
+        for k, v in zip(keys, total):
+            out[k] = int(round(v)) if kinds[k] else v
+        return out
 
     # --------------------------------------------------------------------------- the loop
     def run(self) -> bool:
@@ -260,8 +300,14 @@ class TrainLoop:
                         self.model.train()
                     t0 = time.perf_counter()
                     idx = self.order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-                    loss, n, counters = self.step_fn(idx)
-                    value = self.update(loss)
+                    # several processes: every N-th row each; one with no row (a short last batch)
+                    # runs one row at weight 0, since every process must take part in each update
+                    share = idx[distributed.rank()::distributed.world_size()]
+                    loss, n, counters = self.step_fn(share or idx[:1], self.forward)
+                    if not share:
+                        n, counters = 0, {}
+                    n_global = distributed.all_sum_floats([n], self.device)[0]
+                    value = self.update(loss, distributed.scale_to_global(n, n_global))
                     if value is not None:
                         self.acc["loss_sum"] += value * n
                         self.acc["loss_n"] += n
@@ -279,22 +325,26 @@ class TrainLoop:
                         raise PPOLMError(f"non-finite weights in {bad} after update {self.step}; nothing saved from "
                                          "it. Lower --lr and continue from the last checkpoint with --resume")
                     if self.step % self.steps_per_epoch == 0:
-                        acc = self.acc
+                        acc = self.global_sums(self.acc)
                         row = self.epoch_row(epochs_done + 1, acc)
                         row.update(tokens=acc["tokens"], tokens_per_s=acc["tokens"] / max(acc["time_s"], 1e-9),
                                    time_s=acc["time_s"])
                         row["guard/skipped_updates"] = self.skipped_total
                         self.rows.append(row)
                         log_epoch(out, row)
-                    if self.step % cfg.save_every == 0 or self.step == self.total or stop["requested"]:
+                    stopping = distributed.any_flag(stop["requested"], self.device)  # all stop together
+                    if self.step % cfg.save_every == 0 or self.step == self.total or stopping:
                         self.save_checkpoint()
-                    if stop["requested"]:
+                    if stopping:
+                        stop["requested"] = True
                         break
             except OSError as e:
                 raise checkpoint.disk_error(e, out) from None
             finally:
                 if bar is not None:
                     bar.close()
+        distributed.write_rank_summary(
+            lambda: {"step": self.step, "weights": distributed.checksum(p for _, p in self.named)})
         if self.step < self.total:
             print(f"interrupted after step {self.step} of {self.total}; checkpoint saved. Continue with the same "
                   "command plus --resume", file=sys.stderr, flush=True)

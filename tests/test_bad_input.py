@@ -459,30 +459,28 @@ def test_sft_and_reward_resume_refuses_another_commands_run(inputs, tmp_path, ca
     assert snapshot(out) == before
 
 
-# ------------------------------------------------------------------ torchrun: one process only
+# ------------------------------------------------------------------ torchrun
 
-@pytest.mark.parametrize("command", ["ppo", "sft", "reward", "eval", "demo"])
-def test_every_command_refuses_several_processes(inputs, tmp_path, capsys, monkeypatch, command):
-    """Under torchrun (WORLD_SIZE > 1) the processes would race on one --output-dir; nothing is
-    synchronised yet, so every command refuses before reading anything."""
+@pytest.mark.parametrize("command", ["demo", "report", "reward-eval"])
+def test_single_process_commands_refuse_torchrun(inputs, tmp_path, capsys, monkeypatch, command):
+    """demo, report and reward-eval run as one process: under torchrun (WORLD_SIZE > 1) they say so
+    before reading anything."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("RANK", "0")
     out = tmp_path / "out"
-    argv = {"ppo": lambda: ppo_argv(inputs, out, {"overwrite": None}),
-            "sft": lambda: other_argv("sft", inputs, out, {}),
-            "reward": lambda: other_argv("reward", inputs, out, {}),
-            "eval": lambda: ["eval", "--policy", str(inputs.model), "--reward-fn", f"{inputs.rewards}:length",
-                             "--output", str(out / "eval.json")],
-            "demo": lambda: ["demo", "--output-dir", str(out), "--quick"]}[command]()
+    argv = {"demo": ["demo", "--output-dir", str(out), "--quick"],
+            "report": ["report", "--run-dir", str(out)],
+            "reward-eval": ["reward-eval", "--reward-model", str(inputs.model), "--data", str(out / "p.jsonl")]}[command]
     check_error(main(argv), capsys.readouterr().err,
-                r"^error: data-parallel training is not supported yet: run one process \(WORLD_SIZE=2 was set by "
-                r"torchrun or the environment\)$")
+                rf"^error: ppolm {command} runs as one process; launch it without torchrun \(WORLD_SIZE=2 is set\)$")
     assert not out.exists()
 
 
-def test_several_processes_refused_as_process(inputs, tmp_path):
+def test_world_size_without_torchrun_is_one_line(inputs, tmp_path):
+    """WORLD_SIZE set by hand, without the rendezvous torchrun provides: one line saying how to launch."""
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "ppolm.cli", *ppo_argv(inputs, out, {"overwrite": None})],
-                       env={**ENV, "WORLD_SIZE": "4", "RANK": "0"}, capture_output=True, text=True, timeout=300)
-    check_error(p.returncode, p.stderr, r"WORLD_SIZE=4")
+                       env={**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, capture_output=True, text=True,
+                       timeout=300)
+    check_error(p.returncode, p.stderr, r"WORLD_SIZE=2 is set but MASTER_ADDR is not; launch with torchrun")
     assert not out.exists()

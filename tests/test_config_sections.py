@@ -95,6 +95,9 @@ trust_remote_code: false
 allow_pickle: true
 """
 
+ADDED_KEYS = {"dist_timeout"}
+"""Options added since (a saved config without them still builds, with their defaults, and resumes)."""
+
 OLD_KEYS = {
     RewardTrainConfig: "model data eval_data eval_fraction output_dir epochs batch_size lr lr_schedule weight_decay "
     "max_grad_norm max_length margin_column center_coef train_layers group_by_prompt trunk_cache lora_r lora_alpha "
@@ -116,17 +119,20 @@ def test_a_flat_config_saved_before_builds_and_resumes(tmp_path):
     assert (cfg.lora_r, cfg.merge_lora, cfg.precision, cfg.seed, cfg.quiet, cfg.allow_pickle, cfg.max_length,
             cfg.eval_fraction, cfg.lr_schedule) == (8, False, "fp32", 3, True, True, 256, 0.2, "constant")
     now = config.to_dict(cfg)
-    assert set(now) == set(saved) and now == saved  # the same flat keys and values: --resume accepts the run
+    # the same flat keys and values, plus the options added since: --resume accepts the run
+    assert set(now) == set(saved) | ADDED_KEYS and {k: now[k] for k in saved} == saved
     assert runtime.config_difference(saved, now) == ""
     config.save_yaml(cfg, tmp_path / "again.yaml")
-    assert yaml.safe_load((tmp_path / "again.yaml").read_text()) == saved
+    again = yaml.safe_load((tmp_path / "again.yaml").read_text())
+    assert {k: again[k] for k in saved} == saved
 
 
 @pytest.mark.parametrize("cls", list(OLD_KEYS), ids=lambda c: c.__name__)
 def test_saved_keys_are_unchanged(cls):
     keys = OLD_KEYS[cls].split()
     cfg = config.build(cls, {"data": "pairs.jsonl"})
-    assert set(config.to_dict(cfg)) == set(keys) and len(keys) == len(config.leaf_fields(cls))
+    assert set(config.to_dict(cfg)) == set(keys) | ADDED_KEYS
+    assert len(keys) + len(ADDED_KEYS) == len(config.leaf_fields(cls))
     # a file with every old key builds; the values round-trip
     cfg2 = config.build(cls, config.flatten_overrides(cls, config.to_dict(cfg), "x"))
     assert config.to_dict(cfg2) == config.to_dict(cfg)

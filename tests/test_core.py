@@ -13,6 +13,7 @@ from ppolm.core import (
     LOSS_AGG_MODES,
     AdaptiveKLController,
     FixedKLController,
+    aggregate_denominator,
     aggregate_loss,
     dpo_loss,
     entropy_from_logits,
@@ -355,6 +356,33 @@ def test_aggregate_loss_modes_on_a_ragged_mask() -> None:
     close(xg.grad, [[1 / 6, 1 / 6, 1 / 6], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
 
 
+def test_aggregate_denominator_is_what_each_mode_divides_by() -> None:
+    """The units each mode averages over (the global counts of data-parallel training add these up):
+    4 real tokens; 2 rows with a token; rows x constant = 3 x 3 (default: the width), or 3 x 5.
+    loss x denominator is the loss's sum over its units: 10 for the token modes, 6 + 4 = 10 for
+    seq-mean-token-sum, 2 + 4 = 6 for seq-mean-token-mean."""
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 50.0, 60.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    want = {"token-mean": (4.0, 10.0), "seq-mean-token-sum": (2.0, 10.0), "seq-mean-token-mean": (2.0, 6.0),
+            "seq-mean-token-sum-norm": (9.0, 10.0)}
+    for mode, (den, total) in want.items():
+        assert aggregate_denominator(mask, mode) == den, mode
+        close(aggregate_loss(x, mask, mode) * den, total)
+    assert aggregate_denominator(mask, "seq-mean-token-sum-norm", constant=5) == 15.0
+    assert aggregate_denominator(mask, "seq-mean-token-sum-norm", length=8) == 24.0
+    with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum"):
+        aggregate_denominator(mask, "sum")
+
+
+def test_masked_whiten_with_given_moments() -> None:
+    """With the moments of a larger (global) batch: (x - 2) / sqrt(4 + 1e-8), padding 0; shift_mean=False adds 2 back."""
+    x = torch.tensor([[1.0, 3.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    moments = (torch.tensor(2.0), torch.tensor(4.0))
+    close(masked_whiten(x, mask, moments=moments), [[-0.5, 0.5, 0.0]], atol=1e-6)
+    close(masked_whiten(x, mask, shift_mean=False, moments=moments), [[1.5, 2.5, 0.0]], atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- PPO losses
 
 
@@ -555,6 +583,27 @@ def test_adaptive_kl_controller_upper_lower_and_inside() -> None:
     on_target = AdaptiveKLController(0.1, target=6.0, horizon=10000)
     on_target.update(6.0, 256)
     assert on_target.value == 0.1
+
+
+def test_adaptive_kl_controller_floor() -> None:
+    # horizon 1 update: each update moves beta by up to 20%. Below target: 0.05 * 0.8 = 0.04, then
+    # the floor 0.05 holds it; above: 0.05 * 1.2 = 0.06, 0.072; back below: 0.072 * 0.8 = 0.0576.
+    ctl = AdaptiveKLController(0.05, target=6.0, horizon=1, min_value=0.05)
+    ctl.update(0.0, 1)
+    assert ctl.value == 0.05
+    ctl.update(12.0, 1)
+    close(ctl.value, 0.06, atol=1e-12)
+    ctl.update(100.0, 1)
+    close(ctl.value, 0.072, atol=1e-12)
+    ctl.update(1.0, 1)
+    close(ctl.value, 0.0576, atol=1e-12)
+    ctl.update(1.0, 1)
+    assert ctl.value == 0.05  # 0.0576 * 0.8 = 0.04608 < floor
+    free = AdaptiveKLController(0.05, target=6.0, horizon=1)  # no floor, as Ziegler et al.
+    free.update(0.0, 1)
+    close(free.value, 0.04, atol=1e-12)
+    with pytest.raises(ValueError, match="min_value"):
+        AdaptiveKLController(0.05, target=6.0, horizon=1, min_value=-1.0)
 
 
 def test_kl_controllers_state_dict_roundtrip_and_fixed() -> None:

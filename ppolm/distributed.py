@@ -1,0 +1,340 @@
+"""Data-parallel training on ``torch.distributed``, as ``torchrun`` launches it.
+
+One process per device (``torchrun --nproc-per-node N``, and ``--nnodes`` for several machines):
+every process holds a full copy of each model, works on its own share of each batch, and the
+trained models' gradients are averaged by :class:`torch.nn.parallel.DistributedDataParallel`
+(gloo on CPUs, NCCL on CUDA, one GPU per process from ``LOCAL_RANK``). What must be the same on
+every process is computed from all-reduced sums, so that N processes compute what one process
+computes on the same global batch:
+
+* batch statistics (advantage and reward whitening, variances, explained variance) from global
+  sums and counts (:func:`masked_moments`);
+* losses averaged over the tokens (or rows) of the *global* microbatch (:func:`scale_to_global`):
+  each process divides its sum by the global count and multiplies by N, because DDP averages the
+  gradients of the N processes;
+* decisions (skip a non-finite update, stop early on --target-kl, stop on Ctrl-C) from all-reduced
+  flags, so no process takes a branch the others do not (they would wait forever in a collective);
+* the KL controller's input, the metrics and held-out results from all-reduced sums.
+
+Process 0 (the "main" process) owns every output: metrics, samples, TensorBoard, checkpoints,
+saved models, reports. The others print nothing (their errors excepted) and write nothing.
+
+Without torchrun (no ``WORLD_SIZE``, or 1) every function here is the single-process identity:
+nothing is initialised and nothing communicates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from ppolm.errors import PPOLMError
+
+T = TypeVar("T")
+
+
+def peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` is what a collective raises when another process died or stopped answering
+    (gloo: "Connection closed by peer"/"Connection reset", a timeout; NCCL: its watchdog), rather
+    than a bug of this process."""
+    if not isinstance(e, RuntimeError):
+        return False
+    dist_error = getattr(torch.distributed, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e).lower()
+    return any(w in text for w in ("connection closed", "connection reset", "timed out", "timeout", "gloo",
+                                   "nccl", "broken pipe", "socket"))
+
+
+class RankError(PPOLMError):
+    """A bad-input error that every process found for the same reason (the config, or a check that
+    process 0 made and broadcast): only process 0 prints it."""
+
+
+def launched_world_size() -> int:
+    """The number of processes torchrun (or the environment) asked for: ``WORLD_SIZE``, 1 if unset."""
+    raw = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    try:
+        n = int(raw)
+    except ValueError:
+        raise PPOLMError(f"WORLD_SIZE={raw!r} is not a number; launch with torchrun --nproc-per-node N") from None
+    if n < 1:
+        raise PPOLMError(f"WORLD_SIZE={n} must be at least 1")
+    return n
+
+
+def active() -> bool:
+    """Whether this process is one of several joined in a process group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if active() else 1
+
+
+def rank() -> int:
+    if active():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def local_rank() -> int:
+    """This process's index on its machine (``LOCAL_RANK``, set by torchrun; 0 for one process)."""
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def is_main() -> bool:
+    """Process 0, the one that prints progress and writes the outputs (always True for one process)."""
+    return rank() == 0
+
+
+def init(device_name: str, timeout_s: float) -> torch.device:
+    """Join the process group torchrun set up (a no-op for one process) and return this process's device.
+
+    CUDA: one GPU per process, ``cuda:LOCAL_RANK``, NCCL; CPU: gloo. ``timeout_s`` bounds how long a
+    collective waits for a process that stopped answering (a killed rank): the survivors then fail
+    instead of hanging. Processes other than 0 stop printing (see :func:`silence_others`).
+    """
+    from ppolm.runtime import resolve_device
+
+    n = launched_world_size()
+    device = resolve_device(device_name)
+    if n == 1 or active():
+        return _local_device(device) if active() else device
+    for var in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise PPOLMError(f"WORLD_SIZE={n} is set but {var} is not; launch with torchrun --nproc-per-node {n} "
+                             "-m ppolm ... (or unset WORLD_SIZE for one process)")
+    device = _local_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    try:
+        torch.distributed.init_process_group(backend, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        raise PPOLMError(f"could not join the torchrun job ({type(e).__name__}: {str(e)[:160]}); check "
+                         "--rdzv-endpoint/MASTER_ADDR:MASTER_PORT and that every node runs the same command") from None
+    silence_others()
+    return device
+
+
+def _local_device(device: torch.device) -> torch.device:
+    if device.type != "cuda":
+        return device
+    local = local_rank()
+    if local >= torch.cuda.device_count():
+        raise PPOLMError(f"LOCAL_RANK {local} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                         "use --nproc-per-node at most the number of GPUs")
+    return torch.device("cuda", local)
+
+
+def silence_others() -> None:
+    """Processes other than 0 print nothing: their progress would repeat process 0's. Their errors
+    still reach the terminal (``ppolm.cli`` writes them to the stream it started with)."""
+    if not is_main():
+        devnull = open(os.devnull, "w")  # noqa: SIM115  (lives as long as the process)
+        sys.stdout = sys.stderr = devnull
+
+
+def shutdown() -> None:
+    if active():
+        torch.distributed.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------- collectives
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over every process (a new tensor; ``x`` itself on one process)."""
+    if not active():
+        return x
+    y = x.clone()
+    torch.distributed.all_reduce(y)
+    return y
+
+
+def all_sum_floats(values: Sequence[float], device: torch.device | str = "cpu") -> list[float]:
+    """Sums over every process of a few numbers, in one all-reduce (float64)."""
+    if not active():
+        return [float(v) for v in values]
+    return all_sum(torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)).tolist()
+
+
+def any_flag(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """True on every process if ``flag`` is True on any."""
+    return all_sum_floats([1.0 if flag else 0.0], device)[0] > 0
+
+
+def gather_objects(obj: T) -> list[T]:
+    """Every process's ``obj`` (picklable), in rank order, on every process."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: T) -> T:
+    """Process 0's ``obj`` on every process."""
+    if not active():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if active():
+        torch.distributed.barrier()
+
+
+def on_main(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on process 0 only and give its result to every process. A :class:`PPOLMError`
+    it raises is raised on every process (printed once, by process 0)."""
+    if not active():
+        return fn()
+    result: Any = None
+    error = None
+    if is_main():
+        try:
+            result = fn()
+        except PPOLMError as e:
+            error = str(e)
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise RankError(error)
+    return result
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Process 0 runs the block first (e.g. filling a cache), then the others: no duplicate work."""
+    if is_main():
+        yield
+        barrier()
+    else:
+        barrier()
+        yield
+
+
+# ------------------------------------------------------------------------ global statistics
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Mean, biased variance and count of the entries of ``x`` where ``mask`` is 1, over every
+    process's entries (sums in float64). x, mask: any matching shape."""
+    m = mask.to(torch.float64)
+    xd = x.to(torch.float64) * m
+    s = all_sum(torch.stack([xd.sum(), (xd * x.to(torch.float64)).sum(), m.sum()]))
+    n = float(s[2])
+    if n == 0:
+        raise ValueError("masked_moments: mask selects no entries on any process")
+    mean = s[0] / n
+    var = (s[1] / n - mean**2).clamp(min=0.0)
+    return mean.to(torch.float32), var.to(torch.float32), n
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """:func:`ppolm.core.masked_whiten` with the mean and variance of every process's entries."""
+    from ppolm import core
+
+    if not active():
+        return core.masked_whiten(x, mask, shift_mean=shift_mean)
+    mean, var, _ = masked_moments(x, mask)
+    return core.masked_whiten(x, mask, shift_mean=shift_mean, moments=(mean, var))
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """The unbiased variance of the masked entries of every process (0 with fewer than two)."""
+    from ppolm import core
+
+    if not active():
+        return core.masked_var(x, mask).item() if mask.sum() > 1 else 0.0
+    _, var, n = masked_moments(x, mask)
+    return float(var) * n / (n - 1) if n > 1 else 0.0
+
+
+def scale_to_global(local_count: torch.Tensor | float, global_count: float) -> float:
+    """The factor that turns a loss averaged over this process's ``local_count`` units (tokens, rows)
+    into its share of the average over the global ``global_count``: local_count * N / global_count.
+    DDP averages the N processes' gradients, so the N shares add up to the single-process gradient
+    of the global average. 1 on one process."""
+    n = world_size()
+    if n == 1:
+        return 1.0
+    return float(local_count) * n / global_count if global_count else 0.0
+
+
+class Sums:
+    """Named (total, count) pairs summed over every process in one all-reduce; ``means()`` gives
+    total / count for each name (nan where the count is 0)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.values: list[float] = []
+
+    def add(self, name: str, total: float | torch.Tensor, count: float | torch.Tensor) -> None:
+        self.names.append(name)
+        self.values += [float(total), float(count)]
+
+    def means(self) -> dict[str, float]:
+        v = all_sum_floats(self.values)
+        return {k: v[2 * i] / v[2 * i + 1] if v[2 * i + 1] else float("nan") for i, k in enumerate(self.names)}
+
+
+def checksum(tensors: Iterable[torch.Tensor]) -> str:
+    """sha256 of the tensors' bytes, in order (equal weights on every process give equal sums)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_rank_summary(summary: Callable[[], dict[str, Any]]) -> None:
+    """With ``PPOLM_RANK_SUMMARY=DIR`` set, every process writes ``DIR/rank<r>.json`` at the end of a
+    run, ``summary()`` (e.g. its KL coefficient and a checksum of its weights): a check that the
+    processes agree. Nothing is computed without it."""
+    import json
+
+    where = os.environ.get("PPOLM_RANK_SUMMARY")
+    if where:
+        path = os.path.join(where, f"rank{rank()}.json")
+        os.makedirs(where, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"rank": rank(), "world_size": world_size(), **summary()}, f)
+
+
+# ------------------------------------------------------------------------------- wrapping
+
+class Through(torch.nn.Module):
+    """A model whose ``forward(fn, *args)`` returns ``fn(*args)``: whatever ``fn`` computes with the
+    model then runs inside this module's forward, which is where DDP hooks in. For training code
+    that calls a model's backbone and head itself rather than the model's own forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+
+def ddp(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` under DistributedDataParallel (gradients averaged over the processes at each
+    backward pass); the module itself on one process. Its parameters must already be equal on every
+    process (DDP also broadcasts process 0's at construction)."""
+    if not active():
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False)
