@@ -14,6 +14,8 @@ from ppolm.errors import FLOAT32_MAX, PPOLMError
 
 GROUP_ESTIMATORS = ("grpo", "dr-grpo", "rloo", "reinforce++-baseline")
 """Estimators whose baseline is the other responses to the same prompt: they need --samples-per-prompt >= 2."""
+GROUP_SIZE = 4
+"""--samples-per-prompt of the group estimators when it is not given (a batch of 8: 2 prompts x 4)."""
 KL_IN_LOSS_ESTIMATORS = ("grpo", "dr-grpo", "rloo", "remax")
 """Score-based estimators whose KL penalty goes into the loss (k3, as GRPO) under --kl-in auto."""
 
@@ -126,8 +128,8 @@ class AlgoConfig:
     """Plain-text corpus for PPO-ptx (.txt, one document per line, or .jsonl with a 'text' column)."""
     advantage: Literal["gae", "grpo", "dr-grpo", "rloo", "reinforce++", "reinforce++-baseline", "remax"] = "gae"
     """Advantage estimator: gae (PPO with a critic) or a critic-free one: grpo, dr-grpo, rloo, reinforce++-baseline (groups of --samples-per-prompt > 1), reinforce++, remax (a greedy response per prompt as baseline). Only gae builds, trains and saves a critic. See README, "PPO and its alternatives"."""
-    samples_per_prompt: int = 1
-    """Responses sampled per prompt (G): a step takes --batch-size / G prompts, each sampled G times, the G responses of a prompt adjacent and forming one group. Minibatches may split a group (the advantages are computed on the whole batch first)."""
+    samples_per_prompt: int | None = None
+    """Responses sampled per prompt (G): a step takes --batch-size / G prompts, each sampled G times, the G responses of a prompt adjacent and forming one group. Minibatches may split a group (the advantages are computed on the whole batch first). Default: 4 for the group estimators (grpo, dr-grpo, rloo, reinforce++-baseline), 1 otherwise."""
     loss_agg: Literal["auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "auto"
     """How the per-token policy loss is reduced: token-mean (each token weighs the same), seq-mean-token-sum, seq-mean-token-mean (GRPO as published), seq-mean-token-sum-norm (token sum / (rows * --response-length), Dr. GRPO). auto: seq-mean-token-sum-norm for dr-grpo, token-mean otherwise."""
     clip_eps_high: float | None = None
@@ -254,7 +256,7 @@ class PPOConfig:
         need(not (self.model.critic == "shared" and self.model.lora_r > 0),
              "--critic shared with --lora-r > 0 is not supported; use --critic separate")
         need(not (self.run.resume and self.run.overwrite), "--resume and --overwrite exclude each other; pick one")
-        spp = a.samples_per_prompt
+        spp = self.group_size
         need(spp >= 1, f"--samples-per-prompt must be at least 1; got {spp}")
         need(a.batch_size % spp == 0, f"--batch-size {a.batch_size} is not divisible by --samples-per-prompt {spp}; "
              f"use a multiple of {spp} such as {spp * max(1, a.batch_size // spp)}")
@@ -285,12 +287,20 @@ class PPOConfig:
 
     def resolve(self) -> None:
         """Replace the "auto" choices by what they mean for this estimator (before the run saves its
-        config.yaml): --kl-in and --loss-agg."""
+        config.yaml): --samples-per-prompt, --kl-in and --loss-agg."""
         a, k = self.algo, self.kl
+        a.samples_per_prompt = self.group_size
         if k.kl_in == "auto":
             k.kl_in = "loss" if a.advantage in KL_IN_LOSS_ESTIMATORS else "reward"
         if a.loss_agg == "auto":
             a.loss_agg = "seq-mean-token-sum-norm" if a.advantage == "dr-grpo" else "token-mean"
+
+    @property
+    def group_size(self) -> int:
+        """--samples-per-prompt, or its default for this --advantage."""
+        if self.algo.samples_per_prompt is not None:
+            return self.algo.samples_per_prompt
+        return GROUP_SIZE if self.algo.advantage in GROUP_ESTIMATORS else 1
 
     @property
     def needs_critic(self) -> bool:

@@ -263,8 +263,10 @@ CASES = [
      r"--batch-size 6 is not divisible by --minibatches 4; choose a divisor such as 3"),
     ("ptx-without-data", lambda i, t: {"ptx_coef": 0.5}, r"--ptx-coef > 0 needs --ptx-data FILE"),
     # --- advantage estimators
-    ("group-estimator-one-sample", lambda i, t: {"advantage": "grpo"},
+    ("group-estimator-one-sample", lambda i, t: {"advantage": "grpo", "samples_per_prompt": 1},
      r"--advantage grpo compares the responses to one prompt: give --samples-per-prompt 2 or more"),
+    ("group-default-not-dividing", lambda i, t: {"advantage": "grpo", "batch_size": 6, "minibatches": 1},
+     r"--batch-size 6 is not divisible by --samples-per-prompt 4; use a multiple of 4 such as 4"),
     ("batch-not-divisible-by-samples", lambda i, t: {"advantage": "rloo", "samples_per_prompt": 3},
      r"--batch-size 4 is not divisible by --samples-per-prompt 3; use a multiple of 3 such as 3"),
     ("remax-top-k-1", lambda i, t: {"advantage": "remax", "top_k": 1},

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from ppolm import config, core
@@ -189,7 +190,8 @@ def test_greedy_generation_is_argmax(tiny_policy_dir, tokenizer):
 
 
 @pytest.mark.parametrize("over, expect", [
-    (dict(advantage="grpo"), r"--advantage grpo compares the responses to one prompt: give --samples-per-prompt 2"),
+    (dict(advantage="grpo", samples_per_prompt=1),
+     r"--advantage grpo compares the responses to one prompt: give --samples-per-prompt 2"),
     (dict(advantage="rloo", samples_per_prompt=3), r"--batch-size 4 is not divisible by --samples-per-prompt 3"),
     (dict(advantage="remax", top_k=1), r"--advantage remax with --top-k 1"),
     (dict(dual_clip=1.0), r"--dual-clip must be > 1; got 1\.0"),
@@ -223,3 +225,20 @@ def test_critic_free_with_lora_or_critic_shared_and_eval(tiny_policy_dir, tmp_pa
         assert len(result.metrics) == 2 and (out / "eval.jsonl").is_file()
         assert not (out / "critic").exists()
     assert (tmp_path / "run0" / "policy_adapter").is_dir()
+
+
+def test_group_estimators_default_to_groups_of_four(tiny_policy_dir, tmp_path, reward_file):
+    """--advantage grpo (rloo, ...) without --samples-per-prompt samples each prompt 4 times (a batch
+    of 8: 2 prompts x 4); gae and the other estimators keep 1; config.yaml records the choice."""
+    for advantage, want in (("grpo", 4), ("rloo", 4), ("reinforce++-baseline", 4), ("gae", 1), ("remax", 1)):
+        cfg = config.build(PPOConfig, {"advantage": advantage, "reward_fn": ["x.py:f"], "batch_size": 8})
+        cfg.validate()
+        cfg.resolve()
+        assert cfg.algo.samples_per_prompt == want, advantage
+    out = tmp_path / "run"
+    train_ppo(make_cfg(tiny_policy_dir, out, reward_file, advantage="grpo", batch_size=8, minibatches=1, steps=1))
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["algo"]["samples_per_prompt"] == 4
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    prompts = [json.dumps(r["prompt"]) for r in rows]
+    assert len(rows) == 8 and len(set(prompts)) == 2 and prompts[:4] == [prompts[0]] * 4
