@@ -4,4 +4,5 @@ import sys
 
 from ppolm.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (a process spawned by this one imports this module again)
+    sys.exit(main())

@@ -17,6 +17,9 @@ Stages (each prints its progress; finished stages are kept, so ``--resume`` cont
    best step was picked on noisy evaluations, so its in-run figure is optimistic);
 6. **report**: ``report.html`` with the proxy-vs-gold curves against KL (Gao et al. 2022), alarms
    and samples; ``demo.json`` holds the numbers.
+
+With ``--algorithms ppo,grpo,rloo,dpo`` each alternative trains after PPO on the same task and
+budget, in ``<output-dir>/<name>/``, and the report compares them (ppolm/compare.py).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ppolm.errors import PPOLMError
 RM_DIR = "proxy_rm"  # its name is the proxy's metric name: eval/proxy_rm
 GOLD_METRIC = "eval/gold_judge"
 OWN_FILES = ("demo.json", "prompts_train.jsonl", "prompts_eval.jsonl", "pairs_train.jsonl", "pairs_eval.jsonl",
-             RM_DIR)
+             RM_DIR, "algorithm.json")
 
 
 @dataclass
@@ -64,6 +67,8 @@ class DemoConfig:
     """Log lines instead of progress bars."""
     threads: int = 0
     """CPU threads for torch; 0 = auto: every core, or 1 when the machine is already busy (load average >= cores), because OpenMP threads that spin-wait against other processes run many times slower than one thread."""
+    algorithms: str = "ppo"
+    """Algorithms to train and compare on the same task, budget and held-out prompts: ppo plus any of grpo, dr-grpo, rloo, reinforce++, reinforce++-baseline, remax (the ppolm ppo --advantage estimators, against the proxy reward model) and dpo (on the proxy's preference pairs), comma-separated, e.g. ppo,grpo,rloo,dpo. Each runs in its own process; the report overlays their gold and proxy reward against KL."""
 
     def validate(self) -> None:
         if self.steps is not None and self.steps < 1:
@@ -72,6 +77,9 @@ class DemoConfig:
             raise PPOLMError(f"--threads must be >= 0; got {self.threads}")
         if self.resume and self.overwrite:
             raise PPOLMError("--resume and --overwrite exclude each other; pick one")
+        from ppolm import compare
+
+        compare.parse(self.algorithms)
 
 
 @dataclass
@@ -146,7 +154,6 @@ def mean_se(xs: list[float]) -> dict[str, float]:
     return {"mean": m, "se": sd / math.sqrt(len(xs)), "n": len(xs)}
 
 
-STAGES = 6
 
 
 class Demo:
@@ -165,6 +172,11 @@ class Demo:
         self.dtype = dtype_of(self.precision)
         self.state: dict[str, Any] = {}
         self.t0 = time.perf_counter()
+        from ppolm import compare
+
+        self.algorithms = compare.parse(cfg.algorithms)
+        self.others = [a for a in self.algorithms if a != "ppo"]  # the alternatives, each in out/<name>/
+        self.n_stages = 6 + len(self.others)
 
     # ------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -179,21 +191,27 @@ class Demo:
             if not (out / "demo.json").is_file():
                 raise PPOLMError(f"--output-dir {out} holds no demo to resume (no demo.json); choose another directory")
             self.state = json.loads((out / "demo.json").read_text())
-            if self.state.get("quick") != self.cfg.quick or self.state.get("seed") != self.cfg.seed:
+            if self.state.get("quick") != self.cfg.quick or self.state.get("seed") != self.cfg.seed or \
+                    self.state.get("algorithms", ["ppo"]) != self.algorithms:
                 raise PPOLMError(f"{out} holds a demo run with different options (quick={self.state.get('quick')}, "
-                                 f"seed={self.state.get('seed')}); resume with those, or use --overwrite")
+                                 f"seed={self.state.get('seed')}, algorithms="
+                                 f"{','.join(self.state.get('algorithms', ['ppo']))}); resume with those, or use "
+                                 "--overwrite")
             say(f"resuming the demo in {out}: done so far: {', '.join(self.state.get('done', [])) or 'nothing'}")
         elif busy and not self.cfg.overwrite:
             raise PPOLMError(f"--output-dir {out} already exists and holds files; pass --overwrite to replace it, "
                              "--resume to continue it, or choose a new directory")
         elif busy:
-            for name in OWN_FILES + OUTPUTS:
+            from ppolm.compare import ALGORITHMS
+
+            for name in OWN_FILES + OUTPUTS + ALGORITHMS:
                 p = out / name
                 shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         if not self.state:
             self.state = {"quick": self.cfg.quick, "seed": self.cfg.seed, "model": self.cfg.model,
-                          "precision": self.precision, "sizes": asdict(self.sizes), "done": [], "timings_s": {}}
+                          "precision": self.precision, "sizes": asdict(self.sizes), "done": [], "timings_s": {},
+                          "algorithms": self.algorithms}
             self.save_state()
 
     def save_state(self) -> None:
@@ -203,17 +221,17 @@ class Demo:
 
     def stage(self, n: int, name: str, fn: Any) -> None:
         if name in self.state["done"]:
-            say(f"[{n}/{STAGES}] {name}: already done")
+            say(f"[{n}/{self.n_stages}] {name}: already done")
             return
         self.current = name
-        say(f"[{n}/{STAGES}] {name} ...")
+        say(f"[{n}/{self.n_stages}] {name} ...")
         t = time.perf_counter()
         fn()
         dt = time.perf_counter() - t
         self.state["timings_s"][name] = round(dt, 1)
         self.state["done"].append(name)
         self.save_state()
-        say(f"[{n}/{STAGES}] {name}: done in {dt:.0f}s (total {time.perf_counter() - self.t0:.0f}s)")
+        say(f"[{n}/{self.n_stages}] {name}: done in {dt:.0f}s (total {time.perf_counter() - self.t0:.0f}s)")
 
     # ------------------------------------------------------------------------------------ stages
     def task(self) -> None:
@@ -310,17 +328,18 @@ class Demo:
                 "mlp.up_proj", "mlp.down_proj")
         return ",".join(f"layers.{i}.{m}" for i in range(max(0, n - self.sizes.policy_layers), n) for m in mods)
 
-    def ppo(self) -> None:
-        from ppolm import alarms, config
-        from ppolm.ppo import train_ppo
-        from ppolm.ppo_config import PPOConfig
-        from ppolm.tracking import read_jsonl
+    def ppo_options(self, name: str = "ppo") -> dict[str, Any]:
+        """``ppolm ppo`` options of the demo's PPO run, or of an alternative estimator's (its settings
+        in :data:`ppolm.compare.SETTINGS`, its outputs in out/<name>/): the same task, budget of
+        sampled responses, held-out evaluation, LoRA layers and learning rate."""
+        from ppolm import compare
 
-        s, out = self.sizes, self.out
+        s = self.sizes
+        out = self.out if name == "ppo" else self.out / name
         resume = (out / "checkpoints").is_dir() and any((out / "checkpoints").iterdir())
-        cfg = config.build(PPOConfig, dict(
-            model=self.cfg.model, reward_model=[str(out / RM_DIR)], critic_init="reward", temperature=0.7,
-            prompts=str(out / "prompts_train.jsonl"), eval_prompts=str(out / "prompts_eval.jsonl"),
+        options = dict(
+            model=self.cfg.model, reward_model=[str(self.out / RM_DIR)], critic_init="reward", temperature=0.7,
+            prompts=str(self.out / "prompts_train.jsonl"), eval_prompts=str(self.out / "prompts_eval.jsonl"),
             eval_every=s.eval_every, eval_reward_fn=["ppolm.gold:gold_judge"], best_metric=GOLD_METRIC,
             steps=s.steps, batch_size=s.batch_size, ppo_epochs=s.ppo_epochs,
             response_length=s.response_length, actor_lr=s.actor_lr, lora_r=s.lora_r, minibatches=s.minibatches,
@@ -328,8 +347,17 @@ class Demo:
             lora_target=self.lora_targets(), kl_coef=s.kl_coef, kl_target=s.kl_target,
             length_penalty=s.length_penalty, length_budget=s.length_budget,
             adaptive_kl=True, precision=self.precision, device=self.device.type, seed=self.cfg.seed, sample_every=1,
-            save_every=1,
-            keep_last=1, output_dir=str(out), overwrite=not resume, resume=resume, quiet=self.cfg.quiet))
+            save_every=1, keep_last=1, output_dir=str(out), overwrite=not resume, resume=resume, quiet=self.cfg.quiet)
+        return {**options, **compare.SETTINGS.get(name, {})}
+
+    def ppo(self) -> None:
+        from ppolm import alarms, config
+        from ppolm.ppo import train_ppo
+        from ppolm.ppo_config import PPOConfig
+        from ppolm.tracking import read_jsonl
+
+        s, out = self.sizes, self.out
+        options = self.ppo_options()
         proxy = f"eval/{RM_DIR}"
         if s.length_penalty:
             self.state["ppo_reward"] = (f"proxy reward model score - {s.length_penalty} per response token beyond "
@@ -342,9 +370,41 @@ class Demo:
             return [a] if a else []
 
         with alarms.AlarmWatcher(out / "metrics.jsonl", check):
-            result = train_ppo(cfg)
-        if result.interrupted:
-            raise KeyboardInterrupt
+            if self.others:  # compared with alternatives: a process of its own, as theirs
+                self.train_apart("ppo", options, out)
+            elif train_ppo(config.build(PPOConfig, options)).interrupted:
+                raise KeyboardInterrupt
+
+    def alternative(self, name: str) -> None:
+        """Train the PPO alternative ``name`` (ppolm/compare.py) in out/<name>/, in a process of its own."""
+        from ppolm import compare
+
+        run_dir = self.out / name
+        if name != "dpo":
+            self.train_apart("ppo", self.ppo_options(name), run_dir)
+            return
+        s = self.sizes
+        resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+        options = dict(model=self.cfg.model, data=str(self.out / "pairs_train.jsonl"),
+                       eval_data=str(self.out / "pairs_eval.jsonl"), output_dir=str(run_dir), lora_r=s.lora_r,
+                       lora_target=self.lora_targets(), precision=self.precision, device=self.device.type,
+                       seed=self.cfg.seed, quiet=self.cfg.quiet, save_every=50, keep_last=1, resume=resume,
+                       overwrite=not resume, merge_lora=False, **compare.DPO_SETTINGS)
+        if resume:  # its held-out evaluations restart with the epoch it resumes (rows after it are redone)
+            (run_dir / "eval.jsonl").unlink(missing_ok=True)
+        evaluation = dict(prompts=str(self.out / "prompts_eval.jsonl"), reward_model=str(self.out / RM_DIR),
+                          response_length=s.response_length, temperature=self.ppo_temperature(), seed=self.cfg.seed,
+                          device=self.device.type, precision=self.precision)
+        self.train_apart("dpo", options, run_dir, evaluation)
+
+    def train_apart(self, kind: str, options: dict[str, Any], run_dir: Path,
+                    evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
+        from ppolm import compare
+
+        cost = compare.train_in_child(kind, options, run_dir, self.state.get("threads", 1), evaluation)
+        self.state.setdefault("costs", {})[run_dir.name if run_dir != self.out else "ppo"] = cost
+        self.save_state()
+        return cost
 
     def confirm(self) -> None:
         """Score the best-gold checkpoint and the starting policy once more on the held-out prompts, with
@@ -412,6 +472,8 @@ class Demo:
     def ppo_temperature(self) -> float:
         import yaml
 
+        if not (self.out / "config.yaml").is_file():
+            return 0.7  # the temperature ppo_options gives
         cfg = yaml.safe_load((self.out / "config.yaml").read_text())
         return float((cfg.get("generation") or {}).get("temperature", cfg.get("temperature", 0.7)))
 
@@ -430,6 +492,14 @@ class Demo:
         if best:
             gold["best"] = next((at(r) for r in evals if r["step"] == best["step"]), None)
         self.state["gold"] = gold
+        if self.others:
+            from ppolm import compare
+
+            settings = {"ppo": {}, **{n: compare.SETTINGS.get(n, compare.DPO_SETTINGS if n == "dpo" else {})
+                                      for n in self.others}}
+            runs = {n: (self.out if n == "ppo" else self.out / n, settings[n], self.state.get("costs", {}).get(n, {}))
+                    for n in self.algorithms}
+            self.state["comparison"] = compare.summarise(runs, GOLD_METRIC, f"eval/{RM_DIR}")
         if gold.get("best"):
             b, a = gold["best"], gold["before"]
             gain, se_unpaired = b["mean"] - a["mean"], math.hypot(b["se"] or 0.0, a["se"] or 0.0)
@@ -503,8 +573,10 @@ class Demo:
             self.stage(2, "pairs", self.pairs)
             self.stage(3, "reward_model", self.reward_model)
             self.stage(4, "ppo", self.ppo)
-            self.stage(5, "confirm", self.confirm)
-            self.stage(6, "report", self.summarise)
+            for i, name in enumerate(self.others):
+                self.stage(5 + i, name, lambda n=name: self.alternative(n))
+            self.stage(5 + len(self.others), "confirm", self.confirm)
+            self.stage(6 + len(self.others), "report", self.summarise)
         except KeyboardInterrupt:
             self.save_state()
             done = ", ".join(self.state["done"]) or "nothing"

@@ -164,7 +164,9 @@ def train_dpo(cfg: DPOConfig) -> list[dict[str, Any]]:
     return _train_dpo(cfg)[0]
 
 
-def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
+def _train_dpo(cfg: DPOConfig, on_epoch: Any = None) -> tuple[list[dict[str, Any]], bool]:
+    """``on_epoch(epoch, model)``, when given, runs before training (epoch 0) and after each epoch,
+    on every process (``ppolm demo --algorithms`` scores the policy on held-out prompts there)."""
     from ppolm import checkpoint, distributed, models
     from ppolm.runtime import resolve_device, resolve_precision, seed_everything
 
@@ -206,6 +208,9 @@ def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
     def held_out(row: dict[str, Any]) -> dict[str, Any]:
         if held:
             row.update(evaluate(model, held, ref_held, cfg, pad, device))
+        if on_epoch is not None:
+            on_epoch(row["epoch"], model)
+            model.train()
         return row
 
     def step_fn(idx: list[int], forward: Any) -> tuple[torch.Tensor, int, dict[str, Any]]:
@@ -228,7 +233,7 @@ def _train_dpo(cfg: DPOConfig) -> tuple[list[dict[str, Any]], bool]:
         return held_out(row)
 
     loop = trainloop.TrainLoop(cfg, out, model, opt, sched, len(train), "dpo", step_fn, epoch_row,
-                            lambda: held_out({"epoch": 0}) if held else None)
+                            lambda: held_out({"epoch": 0}) if held or on_epoch else None)
     if not loop.run():
         return loop.rows, False
     if distributed.is_main():

@@ -420,6 +420,22 @@ def write_report(run_dir: str | Path) -> Path:
     figs = "".join(
         f"<figure><img src=\"data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}\" alt=\"{_e(n)}\">"
         f"<figcaption>{_e(c)}</figcaption></figure>" for n, (c, p) in plots.items())
+    compared = ""
+    if run.demo and run.demo.get("comparison"):
+        from ppolm import compare
+
+        png = run.dir / "plots" / "algorithms_vs_kl.png"
+        compare.plot(run.demo["comparison"], png)
+        compared = (
+            "<h2>PPO and its alternatives</h2><p>Each algorithm trained on the same task from the same starting "
+            "policy: the PPO family against the proxy reward model with the same number of sampled responses, "
+            "DPO on the proxy's preference pairs; all scored on the same held-out prompts by the gold judge and "
+            "the proxy, at each evaluation. The best gold score is the maximum over evaluations (optimistic "
+            "for every algorithm alike); wall time and peak memory are each algorithm's own process.</p>"
+            + compare.table_html(run.demo["comparison"], _e, _f)
+            + f"<figure><img src=\"data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}\" "
+              "alt=\"algorithms_vs_kl\"><figcaption>Gold and proxy reward against KL to the starting policy, "
+              "one line per algorithm (error bars: ±1 SE over the held-out prompts).</figcaption></figure>")
     extra = ""
     if run.demo and run.demo.get("sizes"):
         extra = "<h2>Demo sizes and stage times</h2>" + config_html(
@@ -429,7 +445,7 @@ def write_report(run_dir: str | Path) -> Path:
     page = f"""<!doctype html><html lang=en><head><meta charset=utf-8><title>{_e(title)}</title>
 <style>{CSS}</style></head><body><h1>{_e(title)}</h1><p class=small>{_e(run.dir.resolve())}</p>
 <h2>Summary</h2>{summary_html(run)}
-<h2>Alarms</h2>{alarms_html(found)}
+{compared}<h2>Alarms</h2>{alarms_html(found)}
 <h2>Plots</h2>{figs}
 <h2>Samples</h2>{samples_html(run)}
 {extra}<h2>Config</h2>{config_html(run.config)}

@@ -79,6 +79,48 @@ def test_demo_interrupt_resume_and_report(tiny_policy_dir, tmp_path, monkeypatch
 
 
 
+def test_demo_compares_algorithms_head_to_head(tiny_policy_dir, tmp_path, monkeypatch, capsys):
+    """--algorithms ppo,grpo,dpo: each trains in its own process on the same task and held-out
+    prompts; demo.json tabulates each one's evaluations, best gold, wall time and peak memory; the
+    report shows the comparison."""
+    import dataclasses
+
+    monkeypatch.setattr(demo, "QUICK", dataclasses.replace(demo.QUICK, train_prompts=8, eval_prompts=4,
+                                                           response_length=6, rm_layers=1, policy_layers=1))
+    out = tmp_path / "demo"
+    args = ["demo", "--quick", "--model", str(tiny_policy_dir), "--output-dir", str(out), "--quiet",
+            "--steps", "2", "--precision", "fp32", "--algorithms", "ppo,grpo,dpo", "--threads", "1"]
+    code, err = cli.main(args), capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    state = json.loads((out / "demo.json").read_text())
+    assert state["done"] == ["task", "pairs", "reward_model", "ppo", "grpo", "dpo", "confirm", "report"]
+    comp = state["comparison"]
+    assert list(comp) == ["ppo", "grpo", "dpo"]
+    for name, c in comp.items():
+        assert len(c["points"]) >= 2 and c["points"][0]["step"] == 0, name  # the start and later evaluations
+        assert all(isinstance(p[k], float) for p in c["points"] for k in ("gold", "proxy", "kl")), name
+        assert c["best"]["gold"] == max(p["gold"] for p in c["points"])
+        assert c["wall_s"] > 0 and c["peak_rss_mb"] > 100, name  # its own process's figures
+    assert len(comp["dpo"]["points"]) == demo_settings_epochs() + 1  # before training and after each epoch
+    grpo_cfg = (out / "grpo" / "config.yaml").read_text()
+    assert "advantage: grpo" in grpo_cfg and "samples_per_prompt: 4" in grpo_cfg
+    assert not (out / "grpo" / "critic").exists() and (out / "critic").is_dir()  # GRPO trains no critic
+    html = (out / "report.html").read_text()
+    assert "PPO and its alternatives" in html and "algorithms_vs_kl" in html
+    assert all(f"<td>{n}</td>" in html for n in ("ppo", "grpo", "dpo"))
+    # unknown names and a list without ppo: one line each
+    for bad, needle in (("ppo,gpro", "unknown 'gpro'"), ("grpo,dpo", "must include ppo")):
+        assert cli.main(["demo", "--output-dir", str(tmp_path / "x"), "--algorithms", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0]
+
+
+def demo_settings_epochs() -> int:
+    from ppolm.compare import DPO_SETTINGS
+
+    return DPO_SETTINGS["epochs"]
+
+
 def test_no_space_is_one_line(tmp_path, monkeypatch, capsys):
     def full(self):
         raise OSError(errno.ENOSPC, "No space left on device")
