@@ -168,6 +168,15 @@ def all_sum_floats(values: Sequence[float], device: torch.device | str = "cpu") 
     return all_sum(torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)).tolist()
 
 
+def all_max_floats(values: Sequence[float], device: torch.device | str = "cpu") -> list[float]:
+    """The largest value of each of a few numbers over every process, in one all-reduce."""
+    if not active():
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.tolist()
+
+
 def any_flag(flag: bool, device: torch.device | str = "cpu") -> bool:
     """True on every process if ``flag`` is True on any."""
     return all_sum_floats([1.0 if flag else 0.0], device)[0] > 0

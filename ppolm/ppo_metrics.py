@@ -87,6 +87,8 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
         "time/train_s": t_train - t_score,
         "time/step_s": time.perf_counter() - t_start,
     }
+    if distributed.world_size() > 1:  # each process decodes until its own longest response ends
+        metrics["time/rollout_max_s"] = distributed.all_max_floats([t_rollout - t_start])[0]
     if critic_lr is None:
         for k in ("loss/value_avg", "val/clipfrac_avg", "val/vf_explained_var", "lr/critic"):
             del metrics[k]
