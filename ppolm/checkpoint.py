@@ -96,13 +96,16 @@ def _tupled(x: Any) -> Any:
 
 
 def optimizer_state(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split an optimiser state dict into tensors (for safetensors) and JSON."""
+    """Split an optimiser state dict into tensors (for safetensors) and JSON. States of FSDP-sharded
+    parameters are gathered whole (every process must call this)."""
+    from ppolm.distributed import full
+
     sd = opt.state_dict()
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():
         for k, v in st.items():
             if torch.is_tensor(v):
-                tensors[f"{prefix}.{pid}.{k}"] = v.contiguous()
+                tensors[f"{prefix}.{pid}.{k}"] = full(v).contiguous()
             else:
                 scalars[f"{pid}.{k}"] = v
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
@@ -118,6 +121,15 @@ def load_optimizer_state(opt: torch.optim.Optimizer, prefix: str, tensors: dict[
     for key, v in meta["scalars"].items():
         pid, k = key.split(".", 1)
         state.setdefault(int(pid), {})[k] = v
+    # FSDP-sharded parameters: their states sharded alike (load_state_dict does not)
+    from ppolm.distributed import is_sharded, shard_like
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for pid, st in state.items():
+        if pid < len(params) and is_sharded(params[pid]):
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    st[k] = shard_like(v, params[pid])
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
@@ -137,11 +149,19 @@ def disk_error(e: OSError, where: Path, what: str = "") -> BaseException:
 
 
 def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """Name of the first floating-point tensor holding NaN or inf, or None."""
+    """Name of the first floating-point tensor holding NaN or inf, or None. FSDP-sharded tensors
+    are checked shard by shard, each process its own, and the verdict is shared."""
+    from ppolm.distributed import gather_objects, is_sharded, local
+
+    bad, sharded = None, False
     for name, t in named:
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return name
-    return None
+        sharded = sharded or is_sharded(t)
+        if t.is_floating_point() and not bool(torch.isfinite(local(t)).all()):
+            bad = name
+            break
+    if sharded:
+        bad = next((b for b in gather_objects(bad) if b is not None), None)
+    return bad
 
 
 def _remove_stale(root: Path, pattern: str) -> None:

@@ -109,6 +109,8 @@ class TrainRunControl:
     """No progress bar; one log line per epoch instead."""
     dist_timeout: float = 600.0
     """Under torchrun: seconds a process waits in a collective for the others before failing (a process that died or hangs then stops the job instead of blocking it forever)."""
+    fsdp: bool = False
+    """Under torchrun: shard the trained model's weights, gradients and Adam states over the processes with FSDP2 (fully_shard per decoder layer, then the whole model), for models that do not fit one device; without it each process holds a full copy (DDP)."""
 
 
 @dataclass

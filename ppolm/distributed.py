@@ -337,6 +337,57 @@ class Through(torch.nn.Module):
         return fn(*args)
 
 
+def fsdp(root: torch.nn.Module, models: Sequence[torch.nn.Module],
+         param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Shard ``root`` with FSDP2 (``torch.distributed.fsdp.fully_shard``): each decoder layer of each
+    of ``models`` (the trained models inside ``root``) is one unit, then ``root`` itself (embeddings,
+    final norms, heads). Every process then holds 1/N of each trained weight, of its gradient and of
+    its Adam states; a unit's full weights exist only while it computes. ``param_dtype``: compute in
+    this dtype (bf16) from fp32 shards (FSDP's mixed precision; gradients reduced in fp32). The
+    optimiser must be built after this (the parameters become sharded DTensors). Everything that
+    computes with the models must run inside ``root``'s forward (:class:`Through`)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ppolm.critic import stack
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {"mp_policy": mp} if mp is not None else {}
+    for m in models:
+        found = stack(m)
+        if found is None:
+            raise PPOLMError(f"--fsdp needs a model whose decoder layers it can shard one by one; "
+                             f"{type(m).__name__} has no backbone.layers (drop --fsdp)")
+        for layer in found[1]:
+            fully_shard(layer, **kwargs)
+    fully_shard(root, **kwargs)
+    return root
+
+
+def is_sharded(t: Any) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP-sharded one (a collective: every process calls it in the same
+    order); any other tensor as it is."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of an FSDP-sharded tensor; any other tensor as it is."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``whole`` split as the FSDP-sharded ``like`` is (its mesh and placements); unchanged when
+    ``like`` is not sharded."""
+    if not is_sharded(like):
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.to(like.device, like.dtype), like.device_mesh, like.placements)
+
+
 def ddp(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``module`` under DistributedDataParallel (gradients averaged over the processes at each
     backward pass); the module itself on one process. Its parameters must already be equal on every

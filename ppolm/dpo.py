@@ -201,13 +201,15 @@ def _train_dpo(cfg: DPOConfig, on_epoch: Any = None) -> tuple[list[dict[str, Any
     # before the checkpoint's weights are put in (TrainLoop.run), so they are the same numbers.
     ref_train = reference_logps(model, train, cfg.batch_size, pad, device, cfg.precision, per_token)
     ref_held = reference_logps(model, held, cfg.batch_size, pad, device, cfg.precision, per_token)
+    forward = trainloop.parallel(model, cfg, device)  # DDP/FSDP with several processes
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     opt, sched = trainloop.make_optimizer([p for p in model.parameters() if p.requires_grad], cfg,
                                        steps_per_epoch * cfg.epochs)
 
     def held_out(row: dict[str, Any]) -> dict[str, Any]:
         if held:
-            row.update(evaluate(model, held, ref_held, cfg, pad, device))
+            with torch.no_grad():  # every process, through the DDP/FSDP module (DDP: no grad, no backward)
+                row.update(forward(evaluate, model, held, ref_held, cfg, pad, device))
         if on_epoch is not None:
             on_epoch(row["epoch"], model)
             model.train()
@@ -233,11 +235,18 @@ def _train_dpo(cfg: DPOConfig, on_epoch: Any = None) -> tuple[list[dict[str, Any
         return held_out(row)
 
     loop = trainloop.TrainLoop(cfg, out, model, opt, sched, len(train), "dpo", step_fn, epoch_row,
-                            lambda: held_out({"epoch": 0}) if held or on_epoch else None)
+                            lambda: held_out({"epoch": 0}) if held or on_epoch else None, forward)
     if not loop.run():
         return loop.rows, False
+
+    def fresh() -> Any:  # --fsdp: a whole copy for the gathered weights
+        copy = models.load_causal_lm(cfg.model, dtype=torch.float32, device=torch.device("cpu"), tokenizer=tok,
+                                     trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
+        return trainloop.apply_lora(copy, cfg, "CAUSAL_LM") if cfg.lora_r > 0 else copy
+
+    final = trainloop.saveable(model, cfg, fresh)
     if distributed.is_main():
-        sft.save_model(model, tok, out, merge=cfg.merge_lora)
+        sft.save_model(final, tok, out, merge=cfg.merge_lora)
     distributed.barrier()
     return loop.rows, True
 

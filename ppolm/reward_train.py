@@ -338,7 +338,6 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     model = trainloop.apply_lora(model, cfg, "SEQ_CLS") if cfg.lora_r > 0 else model
     if cfg.lora_r == 0:
         freeze_lower_layers(model, cfg.train_layers)
-    params = [p for p in model.parameters() if p.requires_grad]
     if distributed.is_main():
         runtime.prepare_output_dir(out, cfg, "reward_config.yaml", commit=True)
         try:
@@ -351,7 +350,6 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         groups.setdefault(k, []).append(i)
     items = list(groups.values()) if cfg.group_by_prompt else [[i] for i in range(len(train))]
     steps_per_epoch = math.ceil(len(items) / cfg.batch_size)
-    opt, sched = trainloop.make_optimizer(params, cfg, steps_per_epoch * cfg.epochs)
     pad = tok.pad_token_id
     cache = None
     every = [x for c, r, _ in train + held for x in (c, r)]
@@ -363,6 +361,9 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
             print(f"frozen lower layers run once for {len(cache.hidden)} distinct texts "
                   f"({time.perf_counter() - t0:.0f}s); training the top {cfg.train_layers} on their output",
                   file=sys.stderr)
+    forward = trainloop.parallel(model, cfg, device)  # DDP/FSDP with several processes (after the cache)
+    opt, sched = trainloop.make_optimizer([p for p in model.parameters() if p.requires_grad], cfg,
+                                          steps_per_epoch * cfg.epochs)
 
     def scores(seqs: list[list[int]]) -> torch.Tensor:
         if cache is not None:
@@ -372,10 +373,14 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
 
     last_eval: dict[str, Any] = {}
 
+    def evaluate_held() -> dict[str, Any]:
+        model.eval()
+        with torch.no_grad():  # every process, through the DDP/FSDP module (DDP: no grad, no backward)
+            return forward(evaluate_pairs, scores, held, cfg.batch_size)
+
     def held_out(row: dict[str, Any]) -> dict[str, Any]:
         if held:
-            model.eval()
-            ev = evaluate_pairs(scores, held, cfg.batch_size)
+            ev = evaluate_held()
             row.update(eval_accuracy=ev["accuracy"], eval_loss=ev["loss"], eval_margin=ev["margin"])
             last_eval.update(ev)
         return row
@@ -415,20 +420,35 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
                          "train_accuracy": acc.get("correct", 0) / len(train)})
 
     loop = trainloop.TrainLoop(cfg, out, model, opt, sched, len(items), "reward", step_fn, epoch_row,
-                            lambda: held_out({"epoch": 0}) if held else None)
+                            lambda: held_out({"epoch": 0}) if held else None, forward)
     if not loop.run():
         return loop.rows, False
     rows = loop.rows
+    if held and not last_eval:
+        last_eval.update(evaluate_held())
+    raw = None
+    texts = list(dict.fromkeys(tuple(x) for x in every))
+    if cfg.normalize and cfg.norm_source == "pairs":
+        model.eval()
+        step = max(16, 2 * cfg.batch_size)
+        with torch.no_grad():
+            raw = torch.cat([forward(scores, [list(x) for x in texts[i:i + step]]).float().cpu()
+                             for i in range(0, len(texts), step)])
+
+    def fresh() -> Any:  # --fsdp: a whole copy for the gathered weights
+        copy = models.load_scalar_model(cfg.model, head_init="reward", dtype=torch.float32, device=torch.device("cpu"),
+                                        tokenizer=tok, trust_remote_code=cfg.trust_remote_code,
+                                        allow_pickle=cfg.allow_pickle)
+        return trainloop.apply_lora(copy, cfg, "SEQ_CLS") if cfg.lora_r > 0 else copy
+
+    final = trainloop.saveable(model, cfg, fresh)
     if not distributed.is_main():  # process 0 saves and normalises the model
         distributed.barrier()
         return rows, True
-    sft.save_model(model, tok, out, merge=True)
+    sft.save_model(final, tok, out, merge=True)
     if held:
         # the final model's raw scores of every held-out pair, in the order of --eval-data (or of the
         # held-out split): which pairs it gets wrong, and how sure it is
-        if not last_eval:
-            model.eval()
-            last_eval.update(evaluate_pairs(scores, held, cfg.batch_size))
         chosen, rejected = last_eval["scores"]
         try:
             tmp = out / "eval_scores.jsonl.tmp"
@@ -440,12 +460,6 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     if cfg.normalize and cfg.norm_source == "pairs":
         from ppolm.rewards import write_norm
 
-        model.eval()
-        texts = list(dict.fromkeys(tuple(x) for x in every))
-        with torch.no_grad():
-            step = max(16, 2 * cfg.batch_size)
-            raw = torch.cat([scores([list(x) for x in texts[i:i + step]]).float().cpu()
-                             for i in range(0, len(texts), step)])
         gain, bias, mean, std = fit_norm(raw, f"{len(texts)} responses of the pairs")
         write_norm(out, gain, bias, raw_mean=mean, raw_std=std, n_samples=len(texts), source="pairs")
         rows[-1].update(norm_gain=gain, norm_bias=bias)

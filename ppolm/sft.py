@@ -37,6 +37,8 @@ from ppolm.trainloop import (  # noqa: F401  (the loop and helpers shared with r
     check_common,
     log_epoch,
     make_optimizer,
+    parallel,
+    saveable,
     split_rows,
     write_rows,
 )
@@ -217,13 +219,17 @@ def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
             write_config(cfg, out / "sft_config.yaml")
         except OSError as e:
             raise checkpoint.disk_error(e, out) from None
+    forward = parallel(model, cfg, device)  # DDP/FSDP with several processes
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     opt, sched = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg, steps_per_epoch * cfg.epochs)
     pad = tok.pad_token_id
 
+    def held_loss() -> float:
+        with torch.no_grad():  # (DDP: a forward without grad expects no backward)
+            return forward(eval_loss, model, held, cfg.batch_size, pad, device, cfg.precision)
+
     def first_row() -> dict[str, Any] | None:
-        return {"epoch": 0, "eval_loss": eval_loss(model, held, cfg.batch_size, pad, device, cfg.precision)} \
-            if held else None
+        return {"epoch": 0, "eval_loss": held_loss()} if held else None
 
     def step_fn(idx: list[int], forward: Any) -> tuple[torch.Tensor, int, dict[str, int]]:
         ids, mask, loss_mask = collate([train[j] for j in idx], pad, device)
@@ -234,14 +240,21 @@ def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
     def epoch_row(epoch: int, acc: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"epoch": epoch, "train_loss": acc["loss_sum"] / acc["loss_n"] if acc["loss_n"] else None}
         if held:
-            row["eval_loss"] = eval_loss(model, held, cfg.batch_size, pad, device, cfg.precision)
+            row["eval_loss"] = held_loss()
         return row
 
-    loop = TrainLoop(cfg, out, model, opt, sched, len(train), "sft", step_fn, epoch_row, first_row)
+    loop = TrainLoop(cfg, out, model, opt, sched, len(train), "sft", step_fn, epoch_row, first_row, forward)
     if not loop.run():
         return loop.rows, False
+
+    def fresh() -> Any:  # --fsdp: a whole copy for the gathered weights
+        copy = models.load_causal_lm(cfg.model, dtype=torch.float32, device=torch.device("cpu"), tokenizer=tok,
+                                     trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
+        return apply_lora(copy, cfg, "CAUSAL_LM") if cfg.lora_r > 0 else copy
+
+    final = saveable(model, cfg, fresh)
     if distributed.is_main():
-        save_model(model, tok, out, merge=cfg.merge_lora)
+        save_model(final, tok, out, merge=cfg.merge_lora)
     distributed.barrier()
     return loop.rows, True
 

@@ -44,6 +44,9 @@ def check_common(cfg: Any) -> None:
         need(v >= 1, f"--{name} must be at least 1; got {v}")
     need(not (cfg.resume and cfg.overwrite), "--resume and --overwrite exclude each other; pick one")
     need(cfg.dist_timeout > 0, f"--dist-timeout must be > 0 seconds; got {cfg.dist_timeout}")
+    need(not cfg.fsdp or distributed.launched_world_size() > 1,
+         "--fsdp shards the model over the processes of a torchrun job: launch with torchrun --nproc-per-node N "
+         "(N >= 2) -m ppolm ..., or drop --fsdp")
     out = Path(cfg.output_dir).expanduser().resolve()
     for name, p in (("--model", cfg.model), ("--data", cfg.data), ("--eval-data", cfg.eval_data)):
         if p is not None and (out == Path(p).expanduser().resolve() or out in Path(p).expanduser().resolve().parents):
@@ -56,6 +59,32 @@ def split_rows(rows: list[Any], fraction: float, seed: int) -> tuple[list[Any], 
     n_eval = 0 if fraction <= 0 or len(rows) < 2 else min(len(rows) - 1, max(1, round(len(rows) * fraction)))
     perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     return [rows[i] for i in perm[n_eval:]], [rows[i] for i in sorted(perm[:n_eval])]
+
+
+def parallel(model: Any, cfg: Any, device: torch.device) -> Any:
+    """How a training step computes with ``model``: ``forward(fn, *args)`` returns ``fn(*args)``, run
+    inside a module DDP (several processes) or FSDP2 (``--fsdp``) wraps (ppolm/distributed.py).
+    Call it before building the optimiser: FSDP replaces the parameters by their shards."""
+    through = distributed.Through(model)
+    if getattr(cfg, "fsdp", False):
+        return distributed.fsdp(through, [model])
+    return distributed.ddp(through, device)
+
+
+def saveable(model: Any, cfg: Any, fresh: Callable[[], Any]) -> Any:
+    """The model to save at the end: ``model`` itself, or with ``--fsdp`` (its weights sharded over
+    the processes) ``fresh()`` (a new copy, LoRA included) holding the gathered full weights, on
+    process 0 (None on the others). Every process must call this."""
+    if not getattr(cfg, "fsdp", False):
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not distributed.is_main():
+        return None
+    copy = fresh()
+    copy.load_state_dict(state)
+    return copy
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: Any, total_steps: int):
@@ -148,13 +177,13 @@ class TrainLoop:
 
     def __init__(self, cfg: Any, out: Path, model: Any, opt: torch.optim.Optimizer, sched: Any, n_train: int,
                  desc: str, step_fn: StepFn, epoch_row: Callable[[int, dict[str, Any]], dict[str, Any]],
-                 first_row: Callable[[], dict[str, Any] | None]):
+                 first_row: Callable[[], dict[str, Any] | None], forward: Any):
         self.cfg, self.out, self.model, self.opt, self.sched = cfg, out, model, opt, sched
         self.n_train, self.desc = n_train, desc
         self.step_fn, self.epoch_row, self.first_row = step_fn, epoch_row, first_row
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = next(model.parameters()).device
-        self.forward = distributed.ddp(distributed.Through(model), self.device)
+        self.forward = forward  # parallel(model, cfg, device)
         self.steps_per_epoch = math.ceil(n_train / cfg.batch_size)
         self.total = self.steps_per_epoch * cfg.epochs
         self.step = 0  # optimiser steps done (skipped ones included)
@@ -167,7 +196,7 @@ class TrainLoop:
 
     # --------------------------------------------------------------------------- state
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        tensors = {f"model.{n}": p for n, p in self.named}
+        tensors = {f"model.{n}": distributed.full(p) for n, p in self.named}
         t_opt, m_opt = checkpoint.optimizer_state(self.opt, "opt")
         t_rng, m_rng = checkpoint.rng_state(distributed.gather_objects(checkpoint.rng_state()))
         tensors.update(t_opt | t_rng)
@@ -191,7 +220,7 @@ class TrainLoop:
                              "checkpoint was written; resume with the same --data, or start again with --overwrite")
         with torch.no_grad():
             for n, p in self.named:
-                p.copy_(tensors[f"model.{n}"])
+                p.copy_(distributed.shard_like(tensors[f"model.{n}"], p))
         checkpoint.load_optimizer_state(self.opt, "opt", tensors, meta["opt"])
         self.sched.load_state_dict(meta["sched"])
         checkpoint.set_rng_state(tensors, meta["rng"], distributed.rank())
@@ -234,7 +263,7 @@ class TrainLoop:
             cause, key = f"non-finite loss ({value if not math.isfinite(value) else 'on another process'})", "loss"
         else:
             (loss * scale).backward()  # DDP averages the processes' gradients
-            norm = torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.cfg.max_grad_norm)
+            norm = distributed.full(torch.nn.utils.clip_grad_norm_([p for _, p in self.named], self.cfg.max_grad_norm))
             if torch.isfinite(norm):
                 self.opt.step()
             else:
@@ -344,7 +373,7 @@ class TrainLoop:
                 if bar is not None:
                     bar.close()
         distributed.write_rank_summary(
-            lambda: {"step": self.step, "weights": distributed.checksum(p for _, p in self.named)})
+            lambda: {"step": self.step, "weights": distributed.checksum(distributed.local(p) for _, p in self.named)})
         if self.step < self.total:
             print(f"interrupted after step {self.step} of {self.total}; checkpoint saved. Continue with the same "
                   "command plus --resume", file=sys.stderr, flush=True)

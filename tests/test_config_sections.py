@@ -95,7 +95,7 @@ trust_remote_code: false
 allow_pickle: true
 """
 
-ADDED_KEYS = {"dist_timeout"}
+ADDED_KEYS = {"dist_timeout", "fsdp"}
 """Options added since (a saved config without them still builds, with their defaults, and resumes)."""
 
 OLD_KEYS = {

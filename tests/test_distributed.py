@@ -149,19 +149,46 @@ def test_one_training_step_on_two_processes_equals_one_process(command, tiny_pol
     if command == "reward":
         args += ["--no-normalize", "--no-trunk-cache"]
     weights = {}
-    for n in (1, 2):
+    for n, extra in ((1, []), (2, []), ("2-fsdp", ["--fsdp"])):
         out = tmp_path / f"w{n}"
-        p = torchrun(n, [*args, "--output-dir", str(out)], env={"PPOLM_RANK_SUMMARY": str(tmp_path / f"sum{n}")})
+        p = torchrun(int(str(n)[0]), [*args, *extra, "--output-dir", str(out)],
+                     env={"PPOLM_RANK_SUMMARY": str(tmp_path / f"sum{n}")})
         assert p.returncode == 0, p.stderr[-3000:]
         weights[n] = load_file(str(out / "model.safetensors"))
-        summaries = [json.loads((tmp_path / f"sum{n}" / f"rank{r}.json").read_text()) for r in range(n)]
-        assert len({s["weights"] for s in summaries}) == 1  # every process holds the same weights
+        summaries = [json.loads((tmp_path / f"sum{n}" / f"rank{r}.json").read_text()) for r in range(int(str(n)[0]))]
+        if not extra:
+            assert len({s["weights"] for s in summaries}) == 1  # every process holds the same weights
         rows_logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["epoch"] for r in rows_logged] == [1]  # written once, by process 0
     before = load_file(str(tiny_policy_dir / "model.safetensors"))
-    worst = max((weights[1][k] - weights[2][k]).abs().max().item() for k in weights[1])
-    assert worst <= 1e-6
+    for n in (2, "2-fsdp"):  # DDP, and FSDP2 (each process held half of every weight)
+        assert weights[n].keys() == weights[1].keys()
+        worst = max((weights[1][k] - weights[n][k]).abs().max().item() for k in weights[1])
+        assert worst <= 1e-6, (n, worst)
     assert any(k in before and not torch.equal(weights[1][k], before[k]) for k in weights[1])
+
+
+def test_fsdp_checkpoint_resumes_exactly(tiny_policy_dir, tmp_path):
+    """--fsdp: a checkpoint gathers the sharded weights and Adam states whole and --resume shards
+    them again, so 1 epoch + --resume to 2 ends with the weights of 2 epochs straight, bit for bit;
+    --fsdp without torchrun is one line."""
+    rows = [{"prompt": f"Question {i}?", "response": "An answer " + "word " * i} for i in range(6)]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    args = ["-m", "ppolm", "sft", "--model", str(tiny_policy_dir), "--data", str(data), "--batch-size", "3",
+            "--eval-fraction", "0", "--precision", "fp32", "--quiet", "--lr", "1e-3", "--lr-schedule", "constant",
+            "--fsdp"]
+    straight = torchrun(2, [*args, "--epochs", "2", "--output-dir", str(tmp_path / "a")])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = torchrun(2, [*args, "--epochs", "1", "--output-dir", str(tmp_path / "b")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = torchrun(2, [*args, "--epochs", "2", "--output-dir", str(tmp_path / "b"), "--resume"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("a", "b"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    p = subprocess.run([sys.executable, *args, "--epochs", "1", "--output-dir", str(tmp_path / "c")], env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    errors = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "--fsdp shards the model over the processes" in errors[0]
 
 
 def ppo_args(model, reward_file, out, *extra: str) -> list[str]:
