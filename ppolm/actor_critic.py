@@ -59,8 +59,8 @@ class ActorCritic(torch.nn.Module):
         from ppolm.models import scalar_head
 
         if roll is None:
-            if ptx is None:
-                raise ValueError("ActorCritic.forward needs a rollout or a ptx batch")
+            if ptx is None:  # nothing to compute (FSDP's first call: ppolm/distributed.py fsdp)
+                return None
             ids, mask = ptx
             labels = ids.masked_fill(mask == 0, -100)
             return self.policy(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.float()

@@ -337,15 +337,17 @@ class Through(torch.nn.Module):
         return fn(*args)
 
 
-def fsdp(root: torch.nn.Module, models: Sequence[torch.nn.Module],
-         param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+def fsdp(root: torch.nn.Module, models: Sequence[torch.nn.Module], param_dtype: torch.dtype | None = None,
+         first_call: tuple[Any, ...] = (lambda: None,)) -> torch.nn.Module:
     """Shard ``root`` with FSDP2 (``torch.distributed.fsdp.fully_shard``): each decoder layer of each
     of ``models`` (the trained models inside ``root``) is one unit, then ``root`` itself (embeddings,
     final norms, heads). Every process then holds 1/N of each trained weight, of its gradient and of
     its Adam states; a unit's full weights exist only while it computes. ``param_dtype``: compute in
     this dtype (bf16) from fp32 shards (FSDP's mixed precision; gradients reduced in fp32). The
     optimiser must be built after this (the parameters become sharded DTensors). Everything that
-    computes with the models must run inside ``root``'s forward (:class:`Through`)."""
+    computes with the models must run inside ``root``'s forward (:class:`Through`), or inside
+    :func:`gathered`. ``root(*first_call)``, a forward that computes nothing, runs once here so
+    that FSDP takes ``root`` as its root before any layer runs alone (sampling)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ppolm.critic import stack
@@ -360,7 +362,29 @@ def fsdp(root: torch.nn.Module, models: Sequence[torch.nn.Module],
         for layer in found[1]:
             fully_shard(layer, **kwargs)
     fully_shard(root, **kwargs)
+    with torch.no_grad():
+        root(*first_call)
+    root.reshard()  # (the root keeps its weights gathered after a forward; the optimiser needs the shards)
     return root
+
+
+@contextlib.contextmanager
+def gathered(root: torch.nn.Module) -> Iterator[None]:
+    """Inside, every FSDP unit of ``root`` holds its full weights and keeps them from one forward to
+    the next: for sampling, which runs the policy's layers itself, token by token (one all-gather
+    per unit, not one per unit and token). Nothing happens without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    for u in units:
+        u.set_reshard_after_forward(False, recurse=False)
+        u.unshard()
+    try:
+        yield
+    finally:
+        for u in units:
+            u.reshard()
+            u.set_reshard_after_forward(True, recurse=False)
 
 
 def is_sharded(t: Any) -> bool:

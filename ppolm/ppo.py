@@ -103,7 +103,15 @@ class PPOTrainer:
                                         policy_start=self.policy_start, critic=self.critic,
                                         value_head=self.value_head, tap=self.tap is not None,
                                         value_bias=self.value_bias)
-        self.train_model = distributed.ddp(self.actor_critic, self.device)
+        if m.fsdp:  # the trained models sharded (FSDP2), computing in the run's dtype from fp32 shards
+            sharded = [self.policy] + ([self.critic.model if self.tap is not None else self.critic]
+                                       if self.critic is not None else [])
+            self.train_model = distributed.fsdp(self.actor_critic, sharded,
+                                                param_dtype=None if self.dtype == torch.float32 else self.dtype,
+                                                first_call=(None,))
+            self.value_bias = self.actor_critic.value_bias  # (FSDP registered a sharded one in its place)
+        else:
+            self.train_model = distributed.ddp(self.actor_critic, self.device)
         if self.rank:  # each process samples its own responses (OpenAI detail 17); process 0 as one process
             seed_everything(cfg.run.seed + 1_000_033 * self.rank)
         self.build_optimisers()
@@ -149,7 +157,8 @@ class PPOTrainer:
         self.critic_weights = runtime.MasterWeights(p for _, p in self.critic_named_parameters())
         self.actor_params, self.critic_params = self.actor.params, self.critic_weights.params
         # fused AdamW: one kernel over all parameters, ~4x faster than the per-tensor loop on a CPU
-        adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay, fused=self.device.type in ("cpu", "cuda"))
+        adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay,
+                    fused=self.device.type in ("cpu", "cuda") and not self.cfg.model.fsdp)
         self.actor_opt = torch.optim.AdamW(self.actor_params, lr=a.actor_lr, **adam)
         decay = (lambda s: max(0.0, 1.0 - s / a.steps)) if a.lr_schedule == "linear" else (lambda s: 1.0)
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
@@ -199,8 +208,8 @@ class PPOTrainer:
         self.actor.grads_to_master()
         self.critic_weights.grads_to_master()
         opts = [self.actor_opt] + ([self.critic_opt] if self.critic_opt is not None else [])
-        norms = [torch.nn.utils.clip_grad_norm_(ps, a.max_grad_norm) for ps in (self.actor_params, self.critic_params)
-                 if ps]
+        norms = [distributed.full(torch.nn.utils.clip_grad_norm_(ps, a.max_grad_norm))
+                 for ps in (self.actor_params, self.critic_params) if ps]
         ok = all(torch.isfinite(n) for n in norms)
         if ok:
             for opt in opts:
@@ -246,20 +255,21 @@ class PPOTrainer:
         # 1. Rollout: sample a response per row (no grad, KV cache), mask after EOS; ReMax also
         #    decodes one greedy response per prompt, its baseline.
         self.policy.eval()
-        if given is None:
-            roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
-                               max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
-                               top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
-        else:
-            roll = given[1]
+        greedy = None
+        with distributed.gathered(self.train_model):  # --fsdp: the policy's full weights while it samples
+            if given is None:
+                roll = ro.generate(self.policy, [p.ids for p in prompts], pad_id=self.pad_id, eos_id=self.eos_id,
+                                   max_new_tokens=g.response_length, temperature=g.temperature, top_p=g.top_p,
+                                   top_k=g.top_k, ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
+            else:
+                roll = given[1]
+            if a.advantage == "remax":
+                firsts = prompts[::a.samples_per_prompt]
+                greedy = ro.generate(self.policy, [p.ids for p in firsts], pad_id=self.pad_id, eos_id=self.eos_id,
+                                     max_new_tokens=g.response_length, temperature=g.temperature, greedy=True,
+                                     ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
         if cfg.model.share_prefix:
             roll.share_prefix()  # the prompts' common beginning runs once per pass (ppolm/prefix.py)
-        greedy = None
-        if a.advantage == "remax":
-            firsts = prompts[::a.samples_per_prompt]
-            greedy = ro.generate(self.policy, [p.ids for p in firsts], pad_id=self.pad_id, eos_id=self.eos_id,
-                                 max_new_tokens=g.response_length, temperature=g.temperature, greedy=True,
-                                 ignore_eos=g.ignore_eos, share_prefix=cfg.model.share_prefix)
         self.policy.train()
         mask = roll.response_mask.float()  # (B, R)
         runtime.malloc_trim()
@@ -505,7 +515,8 @@ class PPOTrainer:
         :func:`ppolm.evaluate.during_ppo`."""
         from ppolm.evaluate import during_ppo
 
-        return during_ppo(self, updates)
+        with distributed.gathered(self.train_model):  # --fsdp: the policy whole while it samples
+            return during_ppo(self, updates)
 
     def trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of everything trained: the policy and the critic or value head; with bf16

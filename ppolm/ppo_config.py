@@ -40,6 +40,8 @@ class ModelConfig(ModelLoading, LoRAOptions):
     """Run the prompts' common beginning (a chat template's system prompt, a shared instruction) once per forward pass, at batch size 1, the rest of each row attending to it through the key/value cache; results unchanged up to float rounding (ppolm/prefix.py). false = every row in full."""
     lora_r: int = 0
     """LoRA rank for the policy (peft); 0 = full fine-tuning. With LoRA the reference is the policy with its adapter disabled (no second copy)."""
+    fsdp: bool = False
+    """Under torchrun: shard the trained models (policy and critic: weights, gradients, Adam states) over the processes with FSDP2 (fully_shard per decoder layer, then the rest), for models whose training state does not fit one device; they are gathered whole for sampling. The frozen reference and reward models stay whole on every process. Full fine-tuning only (a LoRA policy's trained state is small: DDP suffices)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16: every model computes in bf16, trained weights keep fp32 master copies, logits, values and the PPO maths in fp32 (faster on GPUs and CPUs with AMX/AVX512-BF16; 3-5x slower where bf16 is emulated). fp32: everything in float32. auto: bf16 where native, else fp32 (printed with the reason)."""
 
@@ -205,10 +207,14 @@ class PPOConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
-    def validate(self, world_size: int = 1) -> None:
+    def validate(self, world_size: int | None = None) -> None:
         """Reject impossible combinations with one line each; derived sizes are properties.
-        ``world_size``: the number of processes (torchrun) that will share each batch."""
+        ``world_size``: the number of processes (torchrun) that will share each batch; default: what
+        the environment says (WORLD_SIZE)."""
+        from ppolm.distributed import launched_world_size
+
         a, g, k, r = self.algo, self.generation, self.kl, self.reward
+        world_size = launched_world_size() if world_size is None else world_size
 
         def need(ok: bool, msg: str) -> None:
             if not ok:
@@ -253,6 +259,12 @@ class PPOConfig:
              f"--reward-fn-weights has {len(r.reward_fn_weights)} values for {len(r.reward_fn)} --reward-fn; give one per function")
         need(r.length_penalty >= 0, "--length-penalty must be >= 0")
         need(r.length_budget >= 0, f"--length-budget must be >= 0; got {r.length_budget}")
+        need(not self.model.fsdp or world_size > 1,
+             "--fsdp shards the models over the processes of a torchrun job: launch with torchrun --nproc-per-node N "
+             "(N >= 2) -m ppolm ppo ..., or drop --fsdp")
+        need(not (self.model.fsdp and self.model.lora_r > 0),
+             "--fsdp with --lora-r > 0 is not supported: LoRA's trained state is small, so drop --fsdp (each process "
+             "then holds the model and its adapter whole)")
         need(not (self.model.critic == "shared" and self.model.lora_r > 0),
              "--critic shared with --lora-r > 0 is not supported; use --critic separate")
         need(not (self.run.resume and self.run.overwrite), "--resume and --overwrite exclude each other; pick one")

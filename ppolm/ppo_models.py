@@ -50,8 +50,10 @@ def build(cfg: PPOConfig, tokenizer: Any, model_dir: Path, functions: list[Any],
 
     m = cfg.model
     load = dict(dtype=dtype, device=device, trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
+    # --fsdp: the trained models' fp32 weights are the shards FSDP keeps; it computes in ``dtype``
+    trained = {**load, "dtype": torch.float32} if m.fsdp else load
     # 1. policy (trained) and 2. reference (frozen)
-    policy = models.load_causal_lm(m.model, **load)
+    policy = models.load_causal_lm(m.model, **trained)
     models.check_output_path(policy)
     reference = None
     if m.lora_r > 0:
@@ -70,7 +72,7 @@ def build(cfg: PPOConfig, tokenizer: Any, model_dir: Path, functions: list[Any],
                         ensemble_rule=cfg.reward.reward_ensemble)
     built = PPOModels(policy, reference, rewarder)
     if cfg.needs_critic:  # the critic-free estimators (--advantage other than gae) build none
-        build_critic(built, cfg, tokenizer, model_dir, load)
+        build_critic(built, cfg, tokenizer, model_dir, trained)
     return built
 
 
@@ -108,4 +110,6 @@ def build_critic(built: PPOModels, cfg: PPOConfig, tokenizer: Any, model_dir: Pa
         score = models._unwrap(built.critic.model if built.tap is not None else built.critic).score
         with torch.no_grad():
             score.weight.mul_(rms[0].gain)
-        built.value_bias = torch.nn.Parameter(torch.tensor(float(rms[0].bias), device=device))
+        bias = torch.tensor(float(rms[0].bias), device=device)
+        # FSDP shards along dim 0, so under --fsdp the bias is a vector of one (it adds the same)
+        built.value_bias = torch.nn.Parameter(bias.reshape(1) if m.fsdp else bias)

@@ -109,7 +109,10 @@ def run(trainer: Any) -> PPOResult:
     if interrupted:
         print(f"interrupted after step {step + 1}; checkpoint saved. Continue with the same command "
               "plus --resume", file=sys.stderr)
-    elif main:
+    else:
+        if trainer.cfg.model.fsdp:
+            gather_for_saving(trainer)  # every process sends its shards; process 0 saves
+    if not interrupted and main:
         try:
             save_outputs(trainer)
         except OSError as e:
@@ -199,7 +202,7 @@ def keep_best(trainer: Any, updates: int, metrics: dict[str, Any]) -> None:
 def state(trainer: Any, next_step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The checkpoint: trained weights and optimiser states (the same on every process) and every
     process's random-number state (process r's under ``rank<r>.``, with several)."""
-    tensors = dict(trainer.trained_parameters())
+    tensors = {n: distributed.full(p) for n, p in trainer.trained_parameters()}  # --fsdp: gathered whole
     ta, ma = checkpoint.optimizer_state(trainer.actor_opt, "actor_opt")
     tr, mr = checkpoint.rng_state(distributed.gather_objects(checkpoint.rng_state()))
     tensors.update(ta | tr)
@@ -216,7 +219,7 @@ def state(trainer: Any, next_step: int) -> tuple[dict[str, torch.Tensor], dict[s
 def load_state(trainer: Any, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     with torch.no_grad():
         for n, p in trainer.trained_parameters():
-            p.copy_(tensors[n])
+            p.copy_(distributed.shard_like(tensors[n], p))  # --fsdp: each process takes its shard
     trainer.actor.copy_to_model()
     trainer.critic_weights.copy_to_model()
     checkpoint.load_optimizer_state(trainer.actor_opt, "actor_opt", tensors, meta["actor_opt"])
@@ -234,6 +237,43 @@ def save_checkpoint(trainer: Any, next_step: int) -> None:
     tensors, meta = state(trainer, next_step)  # every process takes part (its random-number state)
     if distributed.is_main():
         checkpoint.save(trainer.out / "checkpoints", next_step, tensors, meta, trainer.cfg.run.keep_last)
+
+
+def gather_for_saving(trainer: Any) -> None:
+    """--fsdp: the sharded policy and critic gathered whole (every process takes part) into fp32 copies
+    on process 0, which :func:`save_outputs` then saves as it saves unsharded models."""
+    from ppolm import critic as critic_lib
+    from ppolm import models
+
+    def whole(module: Any) -> dict[str, torch.Tensor]:
+        return {k: distributed.full(v).detach().cpu() for k, v in module.state_dict().items()}
+
+    m = trainer.cfg.model
+    policy_state = whole(trainer.policy)
+    critic_state = None if trainer.critic is None else whole(trainer.critic.model if trainer.tap else trainer.critic)
+    head_state = None if trainer.value_head is None else whole(trainer.value_head)
+    bias = None if trainer.value_bias is None else distributed.full(trainer.value_bias).detach().cpu()
+    if not distributed.is_main():
+        return
+    load = dict(dtype=torch.float32, device=torch.device("cpu"), trust_remote_code=m.trust_remote_code,
+                allow_pickle=m.allow_pickle)
+    trainer.policy = models.load_causal_lm(m.model, **load)
+    trainer.policy.load_state_dict(policy_state)
+    if critic_state is not None:
+        src, head_init = trainer.critic_source
+        fresh = models.load_scalar_model(src, head_init=head_init, **load)
+        if trainer.tap is not None:  # top layers on the frozen trunk: the same cut of a fresh copy
+            fresh = critic_lib.TrunkCritic(fresh, trainer.critic.n)
+            fresh.model.load_state_dict(critic_state)
+        else:
+            fresh.load_state_dict(critic_state)
+        trainer.critic = fresh
+    if head_state is not None:
+        trainer.value_head = torch.nn.Linear(head_state["weight"].shape[1], 1)
+        trainer.value_head.load_state_dict(head_state)
+    if bias is not None:
+        trainer.value_bias = torch.nn.Parameter(bias)
+    trainer.actor = trainer.critic_weights = runtime.MasterWeights([])  # the copies are fp32 already
 
 
 def save_outputs(trainer: Any) -> None:

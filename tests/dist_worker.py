@@ -42,8 +42,9 @@ def main(spec_path: str) -> None:
         roll = ro.Rollout(r["query"][idx], r["query_mask"][idx], r["response"][idx], r["response_mask"][idx],
                           r["ended"][idx], sample_logprobs=r["sample_logprobs"][idx])
         metrics, _ = trainer.step(0, given=(prompts, roll))
+        # (--fsdp: every process takes part in gathering the shards)
+        tensors = {n: distributed.full(p).detach().float().contiguous().clone() for n, p in trainer.trained_parameters()}
         if distributed.is_main():
-            tensors = {n: p.detach().float().contiguous().clone() for n, p in trainer.trained_parameters()}
             save_file(tensors, str(out / f"{case['name']}-w{world}.safetensors"))
             (out / f"{case['name']}-w{world}.json").write_text(json.dumps(
                 {"beta": trainer.kl_ctl.value, "metrics": metrics}))
