@@ -167,7 +167,7 @@ def train_dpo(cfg: DPOConfig) -> list[dict[str, Any]]:
 def _train_dpo(cfg: DPOConfig, on_epoch: Any = None) -> tuple[list[dict[str, Any]], bool]:
     """``on_epoch(epoch, model)``, when given, runs before training (epoch 0) and after each epoch,
     on every process (``ppolm demo --algorithms`` scores the policy on held-out prompts there)."""
-    from ppolm import checkpoint, distributed, models
+    from ppolm import distributed, models
     from ppolm.runtime import resolve_device, resolve_precision, seed_everything
 
     cfg.validate()
@@ -190,12 +190,7 @@ def _train_dpo(cfg: DPOConfig, on_epoch: Any = None) -> tuple[list[dict[str, Any
                                   trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     if cfg.lora_r > 0:
         model = trainloop.apply_lora(model, cfg, "CAUSAL_LM")
-    if distributed.is_main():
-        runtime.prepare_output_dir(out, cfg, "dpo_config.yaml", commit=True)
-        try:
-            runtime.write_config(cfg, out / "dpo_config.yaml")
-        except OSError as e:
-            raise checkpoint.disk_error(e, out) from None
+    trainloop.commit_output_dir(out, cfg, "dpo_config.yaml")
     pad, per_token = tok.pad_token_id, cfg.loss_type == "ipo"
     # The reference's log-probs, once, from the weights as loaded: a resumed run computes them here too,
     # before the checkpoint's weights are put in (TrainLoop.run), so they are the same numbers.
@@ -239,12 +234,7 @@ def _train_dpo(cfg: DPOConfig, on_epoch: Any = None) -> tuple[list[dict[str, Any
     if not loop.run():
         return loop.rows, False
 
-    def fresh() -> Any:  # --fsdp: a whole copy for the gathered weights
-        copy = models.load_causal_lm(cfg.model, dtype=torch.float32, device=torch.device("cpu"), tokenizer=tok,
-                                     trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
-        return trainloop.apply_lora(copy, cfg, "CAUSAL_LM") if cfg.lora_r > 0 else copy
-
-    final = trainloop.saveable(model, cfg, fresh)
+    final = trainloop.saveable(model, cfg, tok)
     if distributed.is_main():
         sft.save_model(final, tok, out, merge=cfg.merge_lora)
     distributed.barrier()

@@ -338,12 +338,7 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     model = trainloop.apply_lora(model, cfg, "SEQ_CLS") if cfg.lora_r > 0 else model
     if cfg.lora_r == 0:
         freeze_lower_layers(model, cfg.train_layers)
-    if distributed.is_main():
-        runtime.prepare_output_dir(out, cfg, "reward_config.yaml", commit=True)
-        try:
-            runtime.write_config(cfg, out / "reward_config.yaml")
-        except OSError as e:
-            raise checkpoint.disk_error(e, out) from None
+    trainloop.commit_output_dir(out, cfg, "reward_config.yaml")
     # training items: pairs, or with --group-by-prompt each prompt's pairs (in order of first appearance)
     groups: dict[int, list[int]] = {}
     for i, k in enumerate(keys):
@@ -435,13 +430,7 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
             raw = torch.cat([forward(scores, [list(x) for x in texts[i:i + step]]).float().cpu()
                              for i in range(0, len(texts), step)])
 
-    def fresh() -> Any:  # --fsdp: a whole copy for the gathered weights
-        copy = models.load_scalar_model(cfg.model, head_init="reward", dtype=torch.float32, device=torch.device("cpu"),
-                                        tokenizer=tok, trust_remote_code=cfg.trust_remote_code,
-                                        allow_pickle=cfg.allow_pickle)
-        return trainloop.apply_lora(copy, cfg, "SEQ_CLS") if cfg.lora_r > 0 else copy
-
-    final = trainloop.saveable(model, cfg, fresh)
+    final = trainloop.saveable(model, cfg, tok, "scalar")
     if not distributed.is_main():  # process 0 saves and normalises the model
         distributed.barrier()
         return rows, True

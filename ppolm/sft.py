@@ -35,6 +35,7 @@ from ppolm.trainloop import (  # noqa: F401  (the loop and helpers shared with r
     apply_lora,
     autocast,
     check_common,
+    commit_output_dir,
     log_epoch,
     make_optimizer,
     parallel,
@@ -213,12 +214,7 @@ def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
                                   trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     if cfg.lora_r > 0:
         model = apply_lora(model, cfg, "CAUSAL_LM")
-    if distributed.is_main():
-        prepare_output_dir(out, cfg, "sft_config.yaml", commit=True)
-        try:
-            write_config(cfg, out / "sft_config.yaml")
-        except OSError as e:
-            raise checkpoint.disk_error(e, out) from None
+    commit_output_dir(out, cfg, "sft_config.yaml")
     forward = parallel(model, cfg, device)  # DDP/FSDP with several processes
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     opt, sched = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg, steps_per_epoch * cfg.epochs)
@@ -247,12 +243,7 @@ def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
     if not loop.run():
         return loop.rows, False
 
-    def fresh() -> Any:  # --fsdp: a whole copy for the gathered weights
-        copy = models.load_causal_lm(cfg.model, dtype=torch.float32, device=torch.device("cpu"), tokenizer=tok,
-                                     trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
-        return apply_lora(copy, cfg, "CAUSAL_LM") if cfg.lora_r > 0 else copy
-
-    final = saveable(model, cfg, fresh)
+    final = saveable(model, cfg, tok)
     if distributed.is_main():
         save_model(final, tok, out, merge=cfg.merge_lora)
     distributed.barrier()

@@ -71,20 +71,42 @@ def parallel(model: Any, cfg: Any, device: torch.device) -> Any:
     return distributed.ddp(through, device)
 
 
-def saveable(model: Any, cfg: Any, fresh: Callable[[], Any]) -> Any:
+def saveable(model: Any, cfg: Any, tok: Any, kind: str = "causal") -> Any:
     """The model to save at the end: ``model`` itself, or with ``--fsdp`` (its weights sharded over
-    the processes) ``fresh()`` (a new copy, LoRA included) holding the gathered full weights, on
-    process 0 (None on the others). Every process must call this."""
+    the processes) a fresh copy of ``cfg.model`` (a causal LM, or a ``kind="scalar"`` reward model;
+    LoRA included) holding the gathered full weights, on process 0 (None on the others). Every
+    process must call this."""
     if not getattr(cfg, "fsdp", False):
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from ppolm import models
+
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not distributed.is_main():
         return None
-    copy = fresh()
+    load = dict(dtype=torch.float32, device=torch.device("cpu"), tokenizer=tok, trust_remote_code=cfg.trust_remote_code,
+                allow_pickle=cfg.allow_pickle)
+    if kind == "scalar":
+        copy = models.load_scalar_model(cfg.model, head_init="reward", **load)
+    else:
+        copy = models.load_causal_lm(cfg.model, **load)
+    if cfg.lora_r > 0:
+        copy = apply_lora(copy, cfg, "SEQ_CLS" if kind == "scalar" else "CAUSAL_LM")
     copy.load_state_dict(state)
     return copy
+
+
+def commit_output_dir(out: Path, cfg: Any, config_name: str) -> None:
+    """Once the inputs have loaded: empty (--overwrite) and create --output-dir and write the config,
+    on process 0 only."""
+    if not distributed.is_main():
+        return
+    runtime.prepare_output_dir(out, cfg, config_name, commit=True)
+    try:
+        runtime.write_config(cfg, out / config_name)
+    except OSError as e:
+        raise checkpoint.disk_error(e, out) from None
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: Any, total_steps: int):
