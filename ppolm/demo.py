@@ -103,6 +103,11 @@ class Sizes:
     kl_coef: float
     kl_target: float
     label_temperature: float
+    kl_horizon: int = 10
+    """The adaptive KL controller's horizon in updates, and (below) its floor: the demo's measured
+    controller (beta moves by at most 2% per update from 0.02, free to fall), not ``ppolm ppo``'s
+    defaults, which are chosen for 40 updates of 8 rollouts."""
+    kl_coef_min: float = 0.0
     responses_per_prompt: int = 4
     """K responses per training prompt, ranked by the labeller: C(K, 2) pairs each (InstructGPT used K = 4..9)."""
     pair_temperature: float = 1.0
@@ -344,7 +349,8 @@ class Demo:
             steps=s.steps, batch_size=s.batch_size, ppo_epochs=s.ppo_epochs,
             response_length=s.response_length, actor_lr=s.actor_lr, lora_r=s.lora_r, minibatches=s.minibatches,
             critic_zero_head=s.critic_zero_head,
-            lora_target=self.lora_targets(), kl_coef=s.kl_coef, kl_target=s.kl_target,
+            lora_target=self.lora_targets(), kl_coef=s.kl_coef, kl_target=s.kl_target, kl_horizon=s.kl_horizon,
+            kl_coef_min=s.kl_coef_min,
             length_penalty=s.length_penalty, length_budget=s.length_budget,
             adaptive_kl=True, precision=self.precision, device=self.device.type, seed=self.cfg.seed, sample_every=1,
             save_every=1, keep_last=1, output_dir=str(out), overwrite=not resume, resume=resume, quiet=self.cfg.quiet)

@@ -116,7 +116,7 @@ class PPOTrainer:
             seed_everything(cfg.run.seed + 1_000_033 * self.rank)
         self.build_optimisers()
         k = cfg.kl
-        floor = 0.0 if k.kl_coef_min is None else k.kl_coef_min
+        floor = k.kl_coef if k.kl_coef_min is None else k.kl_coef_min  # (default: beta starts at its floor)
         self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, floor) if k.adaptive_kl
                        else core.FixedKLController(k.kl_coef))
         self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)

@@ -142,8 +142,8 @@ class AlgoConfig:
 
 @dataclass
 class KLConfig:
-    kl_coef: float = 0.05
-    """Initial KL coefficient beta (Huang et al. 2024 used 0.05)."""
+    kl_coef: float = 0.01
+    """Initial KL coefficient beta, and by default the adaptive controller's floor (--kl-coef-min). 0.01: in 40 updates of 8 rollouts a policy held at beta 0.05 (Huang et al. 2024's value for 1B TL;DR at 512 rollouts a batch) learnt a rare rule-based reward a third as much (bench/learning.py); the controller raises beta as soon as the KL passes --kl-target."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL estimator of the reward penalty and the reported KL: k1 = logp - logp_ref (OpenAI), k2 = squared/2, k3 = exp(-x)-1+x (non-negative). With --kl-in loss the loss term uses k3 whatever this is."""
     kl_in: Literal["auto", "reward", "loss"] = "auto"
@@ -153,9 +153,9 @@ class KLConfig:
     kl_target: float = 6.0
     """Target KL (nats per response, summed over tokens) for the adaptive controller."""
     kl_coef_min: float | None = None
-    """Floor of the adaptive coefficient: beta never falls below it (None = no floor, as Ziegler et al.). A floor keeps beta from winding down while the KL sits below --kl-target, as it does for the many updates a rare reward takes to be found."""
-    kl_horizon: int = 10
-    """Horizon of the adaptive controller, in PPO updates: each update moves beta by at most 20%/horizon (beta *= 1 + clip(KL/target - 1, +-0.2) / horizon). Ziegler et al. count it in samples (10000, with batches of 512: ~20 updates); counted in samples it would barely move at the small batches of a laptop (8 rollouts: 0.02% per update), so ppolm counts updates."""
+    """Floor of the adaptive coefficient: beta never falls below it. None = --kl-coef: beta starts at its floor, rises while the KL is above --kl-target and falls back, never below, while it is under. Without a floor (0, Ziegler et al.'s controller) beta winds down while the KL is still small, as it is for the many updates a rare reward takes to be found, and the KL then ran to 3x its target before beta had climbed back (bench/learning.py)."""
+    kl_horizon: int = 1
+    """Horizon of the adaptive controller, in PPO updates: each update moves beta by at most 20%/horizon (beta *= 1 + clip(KL/target - 1, +-0.2) / horizon). Ziegler et al. count it in samples (10000, with batches of 512: 1% per update); counted in samples it would barely move at the small batches of a laptop (8 rollouts: 0.02% per update), so ppolm counts updates. 1 (20% per update): in a run of 40 updates a slower controller (10: 2%) let the KL reach 3x its target before beta caught up (bench/learning.py)."""
 
 
 @dataclass

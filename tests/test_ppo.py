@@ -192,11 +192,18 @@ def test_lora_shared_and_kl_in_loss_variants(tiny_policy_dir, tmp_path, reward_f
 
 
 def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
-    # KL far below the target: beta shrinks by (1 - 0.2 / 10) per update, whatever the batch size
-    # (the horizon counts PPO updates)
-    result = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, kl_target=100.0, kl_horizon=10))
-    b0, b1 = result.metrics[0]["objective/kl_coef"], result.metrics[1]["objective/kl_coef"]
-    assert b1 == pytest.approx(b0 * (1 - 0.2 / 10))
+    """The horizon counts PPO updates, whatever the batch size. The first step's KL is 0 (policy =
+    reference); KL above a tiny target from the second step on: beta x 1.2 per update (horizon 1,
+    the default). KL below a large target: beta stays at its floor (--kl-coef by default), or with
+    --kl-coef-min 0 shrinks by (1 - 0.2 / 10) per update at horizon 10."""
+    up = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "up", reward_file, kl_target=1e-9, steps=3)).metrics
+    beta = [r["objective/kl_coef"] for r in up]
+    assert beta[0] == beta[1] == 0.01 and beta[2] == pytest.approx(0.01 * 1.2)
+    held = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "floor", reward_file, kl_target=100.0)).metrics
+    assert held[0]["objective/kl_coef"] == held[1]["objective/kl_coef"] == 0.01
+    free = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "free", reward_file, kl_target=100.0, kl_horizon=10,
+                              kl_coef_min=0.0)).metrics
+    assert free[1]["objective/kl_coef"] == pytest.approx(free[0]["objective/kl_coef"] * (1 - 0.2 / 10))
 
 
 def test_ptx_mix_and_target_kl(tiny_policy_dir, tmp_path, reward_file):
