@@ -215,7 +215,8 @@ def test_ppo_under_torchrun_writes_each_output_once(tiny_policy_dir, tiny_rm_dir
     eval_prompts = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"Describe {x}."} for x in "abcde"])
     p = torchrun(2, ppo_args(tiny_policy_dir, reward_file, out, "--steps", "3", "--reward-model", str(tiny_rm_dir),
                              "--critic-layers", "1", "--sample-every", "1", "--eval-prompts", str(eval_prompts),
-                             "--eval-every", "2", "--eval-batch-size", "2", "--kl-horizon", "1"),
+                             "--eval-every", "2", "--eval-batch-size", "2", "--kl-horizon", "1",
+                             "--kl-coef-min", "0"),
                  env={"PPOLM_RANK_SUMMARY": str(tmp_path / "sum")})
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
