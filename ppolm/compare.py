@@ -88,8 +88,9 @@ def _child(kind: str, options: dict[str, Any], out_dir: str, threads: int, evalu
 
     import torch
 
-    from ppolm import config
+    from ppolm import cli, config
 
+    cli._quiet_libraries()  # a spawned process starts without the parent's warning filters
     torch.set_num_threads(threads)
     out = Path(out_dir)
     before = json.loads((out / "algorithm.json").read_text()) if (out / "algorithm.json").is_file() else {}
@@ -230,6 +231,7 @@ def table_html(comparison: dict[str, Any], esc: Any, num: Any) -> str:
                     f"<td class=num>{num(c['gain'])}</td><td class=num>{num(c['end']['gold'])}</td>"
                     f"<td class=num>{num(c.get('wall_s'), 0)}</td><td class=num>{num(c.get('peak_rss_mb'), 0)}</td>"
                     f"<td class=small>{esc(', '.join(f'{k} {v}' for k, v in c['settings'].items()))}</td></tr>")
-    return ("<table><tr><th>algorithm</th><th>best gold (± SE)</th><th>its KL</th><th>at step/epoch</th>"
-            "<th>gain over the start</th><th>gold at the end</th><th>wall s</th><th>peak RSS MB</th>"
-            f"<th>settings beyond the demo's PPO ones</th></tr>{''.join(rows)}</table>")
+    # headers break by hand (the report's headers do not wrap), so the table fits a laptop's width
+    return ("<table><tr><th>algorithm</th><th>best gold<br>(± SE)</th><th>its KL</th><th>at step<br>/epoch</th>"
+            "<th>gain over<br>the start</th><th>gold at<br>the end</th><th>wall s</th><th>peak RSS<br>MB</th>"
+            f"<th>settings beyond<br>the demo's PPO ones</th></tr>{''.join(rows)}</table>")

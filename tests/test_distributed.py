@@ -93,7 +93,8 @@ def test_one_update_on_two_processes_equals_one_process(tiny_policy_dir, tiny_rm
     by the global token count, the KL controller fed the global KL)."""
     fixed_rollout(tiny_policy_dir, tokenizer, tmp_path / "roll.pt")
     base = dict(model=str(tiny_policy_dir), reward_fn=[f"{reward_file}:words"], steps=1, batch_size=4,
-                ppo_epochs=2, response_length=8, quiet=True, precision="fp32", kl_horizon=1)
+                ppo_epochs=2, response_length=8, quiet=True, precision="fp32", kl_horizon=1,
+                kl_coef=0.05, kl_coef_min=0.0)  # unfloored, so beta must move
     cases = [
         ("top-layer-critic", dict(reward_model=[str(tiny_rm_dir)], critic_layers=1, whiten_rewards=True)),
         ("full-critic", dict(critic_layers=0, entropy_coef=0.01)),
