@@ -24,7 +24,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
+    """Offline, and without the warnings and progress bars of the libraries ppolm drives (also in
+    the processes ppolm spawns: ppolm/compare.py)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub at run time
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             raise distributed.RankError(f"ppolm {args.command} runs as one process; launch it without torchrun "
                                         f"(WORLD_SIZE={world} is set)")
         cfg = config.from_cli(args._cfg_cls, args, args.command)
-        _quiet_libraries()
+        quiet_libraries()
         module, _, fn = COMMANDS[args.command][1].partition(":")
         return getattr(importlib.import_module(module), fn)(cfg)
     except PPOLMError as e:

@@ -90,7 +90,7 @@ def _child(kind: str, options: dict[str, Any], out_dir: str, threads: int, evalu
 
     from ppolm import cli, config
 
-    cli._quiet_libraries()  # a spawned process starts without the parent's warning filters
+    cli.quiet_libraries()  # a spawned process starts without the parent's warning filters
     torch.set_num_threads(threads)
     out = Path(out_dir)
     before = json.loads((out / "algorithm.json").read_text()) if (out / "algorithm.json").is_file() else {}

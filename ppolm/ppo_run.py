@@ -109,9 +109,8 @@ def run(trainer: Any) -> PPOResult:
     if interrupted:
         print(f"interrupted after step {step + 1}; checkpoint saved. Continue with the same command "
               "plus --resume", file=sys.stderr)
-    else:
-        if trainer.cfg.model.fsdp:
-            gather_for_saving(trainer)  # every process sends its shards; process 0 saves
+    elif trainer.cfg.model.fsdp:
+        gather_for_saving(trainer)  # every process sends its shards; process 0 saves
     if not interrupted and main:
         try:
             save_outputs(trainer)
