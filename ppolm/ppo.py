@@ -153,8 +153,10 @@ class PPOTrainer:
         16); with bf16 models they step fp32 master copies (ppolm/runtime.py). Without a critic
         (critic-free estimators) ``critic_opt`` and ``critic_sched`` are None."""
         a = self.cfg.algo
-        self.actor = runtime.MasterWeights(p for p in self.policy.parameters() if p.requires_grad)
-        self.critic_weights = runtime.MasterWeights(p for _, p in self.critic_named_parameters())
+        self.actor = runtime.MasterWeights((p for p in self.policy.parameters() if p.requires_grad),
+                                           seed=self.cfg.run.seed)
+        self.critic_weights = runtime.MasterWeights((p for _, p in self.critic_named_parameters()),
+                                                    seed=self.cfg.run.seed + 1)
         self.actor_params, self.critic_params = self.actor.params, self.critic_weights.params
         # fused AdamW: one kernel over all parameters, ~4x faster than the per-tensor loop on a CPU
         adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay,

@@ -69,25 +69,60 @@ def test_step_reports_the_sampler_gap(tiny_policy_dir, tmp_path, one_thread):
 
 
 def test_master_weights_accumulate_updates_below_bf16_resolution():
-    # bf16 has 8 significant bits: 1 + 1e-3 rounds back to 1. A hundred such steps on the fp32
-    # master move it to 1.1, and the bf16 weight follows (1.1 in bf16 is 1.1015625).
-    w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    # bf16 has 8 significant bits: 1.5 + 1e-3 rounds back to 1.5. A hundred such steps on the fp32
+    # masters move them to 1.6 (up to their dither), and the bf16 weights follow: each is 1.59375 or
+    # 1.6015625 (the bf16 values either side of 1.6, 2**-7 apart), 1.6 on average.
+    w = torch.nn.Parameter(torch.full((4096,), 1.5, dtype=torch.bfloat16))
     mw = runtime.MasterWeights([w])
     assert mw.params[0].dtype == torch.float32 and mw.params[0] is not w
     opt = torch.optim.SGD(mw.params, lr=1e-3)
     for _ in range(100):
         (-(w.float()).sum()).backward()  # gradient -1 on every element
         mw.grads_to_master()
-        assert w.grad is None and torch.equal(mw.params[0].grad, -torch.ones(3))
+        assert w.grad is None and torch.equal(mw.params[0].grad, -torch.ones(4096))
         opt.step()
         opt.zero_grad(set_to_none=True)
         mw.copy_to_model()
-    assert torch.allclose(mw.params[0], torch.full((3,), 1.1), atol=1e-5)
-    assert torch.equal(w, torch.full((3,), 1.1015625, dtype=torch.bfloat16))
-    naive = torch.ones(3, dtype=torch.bfloat16)
+    assert (mw.params[0] - 1.6).abs().max() < 2**-8 + 1e-5  # 0.1 moved, dither at most half a step
+    assert set(w.float().unique().tolist()) == {1.59375, 1.6015625}
+    assert abs(w.float().mean().item() - 1.6) < 3e-4  # 5 standard errors of 4096 roundings
+    naive = torch.full((3,), 1.5, dtype=torch.bfloat16)
     for _ in range(100):
         naive += 1e-3
-    assert torch.equal(naive, torch.ones(3, dtype=torch.bfloat16))  # what bf16 alone would keep
+    assert torch.equal(naive, torch.full((3,), 1.5, dtype=torch.bfloat16))  # what bf16 alone would keep
+
+
+def test_dithered_masters_let_bf16_weights_follow_a_move_below_half_a_step():
+    # A move of 0.3 bf16 steps (2**-7 at 1.5): a master copied exactly from its bf16 weight rounds
+    # back to 1.5 (the bf16 model does not move at all); dithered masters round up in 30 % of the
+    # weights, so the bf16 weights move by the update on average.
+    step = 2**-7
+    w = torch.nn.Parameter(torch.full((20000,), 1.5, dtype=torch.bfloat16))
+    mw = runtime.MasterWeights([w], seed=3)
+    with torch.no_grad():
+        mw.params[0].add_(0.3 * step)
+        mw.copy_to_model()
+    up = (w.float() == 1.5 + step).float().mean().item()
+    assert set(w.float().unique().tolist()) == {1.5, 1.5 + step}
+    assert abs(up - 0.3) < 0.02  # 0.3 +- 6 standard errors
+    exact = torch.full((20000,), 1.5) + 0.3 * step
+    assert torch.equal(exact.bfloat16(), torch.full((20000,), 1.5, dtype=torch.bfloat16))  # undithered
+
+
+def test_dither_keeps_each_bf16_weight_and_spreads_its_master_over_the_rounding_cell():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(200000, generator=g) * 0.05).bfloat16()
+    w[:10] = 0.0
+    w[10] = -0.0
+    m = runtime.dithered(w, torch.Generator().manual_seed(1))
+    assert m.dtype == torch.float32 and torch.equal(m.bfloat16(), w)  # the model's weights unchanged
+    assert torch.equal(m[:11], torch.zeros(11))
+    assert torch.equal(m, runtime.dithered(w, torch.Generator().manual_seed(1)))  # one seed, one dither
+    exp = (w.float().abs().view(torch.int32) & 0x7F800000).view(torch.float32)  # 2**exponent
+    u = ((m - w.float()) / (exp * 2**-7))[11:]  # in bf16 steps (the cells at a power of two aside)
+    mid = (w.float().abs() != exp)[11:]
+    assert u.abs().max() < 0.5 and abs(u[mid].mean().item()) < 0.003
+    assert abs(u[mid].std().item() - 12**-0.5) < 0.003  # a uniform draw over one step: sd 1/sqrt(12)
 
 
 def test_master_weights_accumulate_gradients_in_fp32():
