@@ -7,6 +7,14 @@ tokens, then score it *independently*: plain transformers sampling at temperatur
 samples (nats per response, sum over tokens of log p - log p_ref). "closed" is the share of the gap
 from the starting model's held-out reward to the maximum (1) that training closed.
 
+A second table compares the systems at equal KL, from their own training logs: the best mean
+training reward over 8 consecutive steps whose mean KL (nats per response) stays within the KL
+target, and within twice the target. One run's end point says little when the systems spend
+different KL (GRPO's beta in the loss holds no target); this reward-vs-KL frontier is what a KL
+budget buys. Training prompts are the same for both (ppolm's built-in set); ppolm's KL is
+`objective/kl` (k1 summed over the response), TRL's its logged per-token k3 `kl` times the mean
+completion length (both estimate the same KL of the sampling policy to the reference).
+
     python bench/learning.py --out /tmp/learning [--tasks exclaim,short,keyword,question]
         [--systems ppo,grpo] [--grpo-lrs 5e-5,1e-4] [--trl-python /path/to/venv-with-trl/bin/python]
         [--ppo-args "--actor-lr 1e-5"] [--tag NAME]
@@ -73,6 +81,30 @@ def score(model_dir: str | Path, ref_dir: str | Path, task: str, samples: int = 
     return {"reward": mean, "se": se, "kl": sum(kls) / len(kls)}
 
 
+def trajectory(run_dir: Path) -> list[tuple[float, float]] | None:
+    """(training reward, KL per response) at each step of a ppolm run (metrics.jsonl) or of a TRL
+    GRPO run (log_history.json from bench/trl_grpo.py); None when the run left neither."""
+    if (run_dir / "metrics.jsonl").exists():
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["objective/scores"], r["objective/kl"]) for r in rows]
+    if (run_dir / "log_history.json").exists():
+        rows = json.loads((run_dir / "log_history.json").read_text())
+        return [(float(r["reward"]), float(r["kl"]) * float(r["completions/mean_length"])) for r in rows]
+    return None
+
+
+def frontier(traj: list[tuple[float, float]], budget: float, window: int = 8) -> tuple[float, float] | None:
+    """The best mean reward over `window` consecutive steps whose mean KL is at most `budget`, with
+    that KL; None when no window stays within it (or the run is shorter than a window)."""
+    best = None
+    for i in range(window, len(traj) + 1):
+        r = sum(x[0] for x in traj[i - window:i]) / window
+        kl = sum(x[1] for x in traj[i - window:i]) / window
+        if kl <= budget and (best is None or r > best[0]):
+            best = (r, kl)
+    return best
+
+
 def run(cmd: list[str], log: Path) -> float:
     t = time.perf_counter()
     with open(log, "w") as f:
@@ -91,6 +123,8 @@ def main() -> None:
     ap.add_argument("--ppo-args", default="", help="extra ppolm ppo options (a variant of the defaults)")
     ap.add_argument("--tag", default="defaults", help="name of the ppolm variant in the table")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kl-target", type=float, default=None,
+                    help="KL budget of the equal-KL table (default: ppolm ppo's --kl-target)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,6 +170,23 @@ def main() -> None:
         closed = (r["reward"] - start) / (1 - start) if start < 1 else float("nan")
         print(f"{task:9} {system:22} {r['reward']:7.3f} ± {r['se']:.3f} {100 * closed:6.0f}% {r['kl']:6.2f} "
               f"{r['wall_s']:7.0f}")
+
+    if args.kl_target is None:
+        from ppolm.ppo_config import PPOConfig
+        args.kl_target = PPOConfig().kl.kl_target
+    budgets = (args.kl_target, 2 * args.kl_target)
+    print("\nTraining reward at equal KL: best 8-step mean with mean KL <= budget (reward @ KL)")
+    print(f"{'task':9} {'system':22} " + " ".join(f"{'KL <= ' + format(b, 'g'):>16}" for b in budgets)
+          + f" {'last 8 steps':>16}")
+    for key in sorted(results):
+        task, system = key.split("/")
+        traj = None if system == "start" else trajectory(out / key.replace("/", "__"))
+        if not traj:
+            continue
+        last = traj[-8:]
+        cells = [frontier(traj, b) for b in budgets] + [tuple(sum(x[j] for x in last) / len(last) for j in (0, 1))]
+        print(f"{task:9} {system:22} " + " ".join(f"{'-':>16}" if c is None else f"{c[0]:8.3f} @ {c[1]:5.1f}"
+                                                  for c in cells))
 
 
 if __name__ == "__main__":

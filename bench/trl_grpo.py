@@ -4,7 +4,8 @@
 
 Budget as ppolm's default run: 8 completions per step (one prompt x 8 generations), at most 32
 new tokens, beta 0.04, temperature 1 (TRL's defaults otherwise). Prompts: ppolm's built-in set,
-as chat messages. Writes the trained model to --out.
+as chat messages. Writes the trained model to --out, and TRL's per-step log (reward, per-token KL,
+mean completion length, ...) to --out/log_history.json for bench/learning.py's reward-vs-KL table.
 """
 
 import argparse
@@ -44,6 +45,8 @@ def main() -> None:
     trainer = GRPOTrainer(model=args.model, reward_funcs=TASKS[args.task], args=cfg, train_dataset=data)
     trainer.train()
     trainer.save_model(args.out)
+    steps = [row for row in trainer.state.log_history if "reward" in row]
+    (Path(args.out) / "log_history.json").write_text(json.dumps(steps, indent=1))
     print(json.dumps({"wall_s": round(time.perf_counter() - t, 1)}))
 
 
