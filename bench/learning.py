@@ -93,16 +93,16 @@ def trajectory(run_dir: Path) -> list[tuple[float, float]] | None:
     return None
 
 
+def mean_of(steps: list[tuple[float, float]]) -> tuple[float, float]:
+    """Mean reward and mean KL of some steps of a trajectory."""
+    return sum(x[0] for x in steps) / len(steps), sum(x[1] for x in steps) / len(steps)
+
+
 def frontier(traj: list[tuple[float, float]], budget: float, window: int = 8) -> tuple[float, float] | None:
     """The best mean reward over `window` consecutive steps whose mean KL is at most `budget`, with
     that KL; None when no window stays within it (or the run is shorter than a window)."""
-    best = None
-    for i in range(window, len(traj) + 1):
-        r = sum(x[0] for x in traj[i - window:i]) / window
-        kl = sum(x[1] for x in traj[i - window:i]) / window
-        if kl <= budget and (best is None or r > best[0]):
-            best = (r, kl)
-    return best
+    means = [mean_of(traj[i - window:i]) for i in range(window, len(traj) + 1)]
+    return max((m for m in means if m[1] <= budget), key=lambda m: (m[0], -m[1]), default=None)  # ties: less KL
 
 
 def run(cmd: list[str], log: Path) -> float:
@@ -183,8 +183,7 @@ def main() -> None:
         traj = None if system == "start" else trajectory(out / key.replace("/", "__"))
         if not traj:
             continue
-        last = traj[-8:]
-        cells = [frontier(traj, b) for b in budgets] + [tuple(sum(x[j] for x in last) / len(last) for j in (0, 1))]
+        cells = [frontier(traj, b) for b in budgets] + [mean_of(traj[-8:])]
         print(f"{task:9} {system:22} " + " ".join(f"{'-':>16}" if c is None else f"{c[0]:8.3f} @ {c[1]:5.1f}"
                                                   for c in cells))
 
