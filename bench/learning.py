@@ -17,7 +17,7 @@ completion length (both estimate the same KL of the sampling policy to the refer
 
     python bench/learning.py --out /tmp/learning [--tasks exclaim,short,keyword,question]
         [--systems ppo,grpo] [--grpo-lrs 5e-5,1e-4] [--trl-python /path/to/venv-with-trl/bin/python]
-        [--ppo-args "--actor-lr 1e-5"] [--tag NAME]
+        [--ppo-args "--actor-lr 1e-5"] [--tag NAME] [--kl-target 6]
 
 TRL runs in its own virtual environment (`pip install torch==2.13.0 "trl==1.16.*"`), as a
 subprocess; ppolm never imports it. Results are cached per run in --out, so a rerun only trains
