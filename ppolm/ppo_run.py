@@ -119,7 +119,8 @@ def run(trainer: Any) -> PPOResult:
     rows = distributed.broadcast_object(tracking.read_jsonl(trainer.out / "metrics.jsonl") if main else None)
     distributed.write_rank_summary(lambda: {
         "step": step + 1, "beta": trainer.kl_ctl.value, "last_row": rows[-1] if rows else None,
-        "weights": distributed.checksum(p for _, p in trainer.trained_parameters())})
+        "weights": distributed.checksum(p for _, p in trainer.trained_parameters()),
+        "masters": distributed.checksum(trainer.actor.params)})
     distributed.barrier()  # the outputs are complete when any process returns
     return PPOResult(trainer.out, rows, interrupted)
 
