@@ -15,6 +15,7 @@ responses to the same prompt (any ids, any order, groups of any size).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -616,6 +617,49 @@ class AdaptiveKLController:
         self.min_value = float(state.get("min_value", self.min_value))
 
 
+class RunningScale:
+    """The running standard deviation of every score a run has seen: the unit PPO's KL penalty is
+    measured in, so that the shaped reward is score / std - beta * KL per token.
+
+    Why: the KL coefficient trades nats of KL against units of reward, so with raw scores its right
+    value depends on the reward's scale: a coefficient that suits a reward in [0, 1] holds a reward
+    in [0, 0.1] at its start (the KL penalty outweighs it) and lets one in [0, 10] run past its KL
+    target for the many updates the adaptive controller needs to climb 10x. Dividing by the running
+    std ("reward scaling", Engstrom et al. 2020, "Implementation Matters in Deep Policy Gradients",
+    sec. 3) makes --kl-coef mean the same for every reward; advantages are whitened afterwards, so
+    the scale of the scores themselves does not otherwise matter. The mean is not subtracted: one
+    score per response on its last token, a constant shift changes no advantage in expectation.
+    ``std`` is 1 until two scores seen differ (a reward nobody has earned yet carries no unit).
+    Moments are combined per batch (Chan et al. 1979), in float64.
+    """
+
+    def __init__(self) -> None:
+        self.count: float = 0.0
+        self.mean: float = 0.0
+        self.m2: float = 0.0  # sum of squared deviations from the mean
+
+    def update(self, count: float, mean: float, m2: float) -> None:
+        """Add a batch: its number of scores, their mean and their sum of squared deviations."""
+        if count <= 0:
+            return
+        total = self.count + count
+        delta = mean - self.mean
+        self.m2 += m2 + delta * delta * self.count * count / total
+        self.mean += delta * count / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        var = self.m2 / self.count if self.count else 0.0
+        return math.sqrt(var) if var > 1e-12 else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+
+
 class FixedKLController:
     """Constant KL coefficient, with the interface of AdaptiveKLController (update does nothing)."""
 
@@ -633,7 +677,7 @@ class FixedKLController:
 
 
 __all__ = [
-    "DPO_LOSS_TYPES", "KL_KINDS", "LOSS_AGG_MODES", "AdaptiveKLController", "FixedKLController", "aggregate_loss",
+    "DPO_LOSS_TYPES", "KL_KINDS", "LOSS_AGG_MODES", "AdaptiveKLController", "FixedKLController", "RunningScale", "aggregate_loss",
     "dpo_loss", "entropy_from_logits", "explained_variance", "gae", "group_baseline", "grouped_pairwise_loss",
     "grpo_advantages", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean", "masked_sum",
     "masked_var", "masked_whiten", "pairwise_loss", "policy_loss", "reinforce_pp_returns", "remax_advantages",

@@ -119,6 +119,7 @@ class PPOTrainer:
         floor = k.kl_coef if k.kl_coef_min is None else k.kl_coef_min  # (default: beta starts at its floor)
         self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, floor) if k.adaptive_kl
                        else core.FixedKLController(k.kl_coef))
+        self.score_scale = core.RunningScale()
         self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
         self.skipped_total = 0
         self.consecutive_skips = 0
@@ -298,10 +299,21 @@ class PPOTrainer:
         t_score = time.perf_counter()
 
         # 4. Per-token KL vs the reference; the score lands on each response's last real token.
+        #    With --scale-scores the score is measured in units of the running std of every score so
+        #    far (core.RunningScale), so beta means the same whatever the reward's scale.
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
+        finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
+        unit = 1.0
         if a.advantage == "gae":
-            rewards, non_score = core.shape_rewards(scores, kl, beta if cfg.kl.kl_in == "reward" else 0.0, mask)
+            if cfg.reward.scale_scores and finite:
+                n, total, squares = distributed.all_sum_floats(
+                    [scores.numel(), scores.double().sum().item(), scores.double().pow(2).sum().item()])
+                self.score_scale.update(n, total / n, max(0.0, squares - total * total / n))
+            unit = self.score_scale.std if cfg.reward.scale_scores else 1.0
+            rewards, non_score = core.shape_rewards(scores / unit, kl, beta if cfg.kl.kl_in == "reward" else 0.0,
+                                                    mask)
+            non_score = non_score * unit  # logged in the score's own units: rlhf_reward = score - unit * beta * KL
             if cfg.kl.kl_in == "loss":
                 non_score = -beta * kl
             if cfg.reward.whiten_rewards:  # batch statistics: over every process's rows
@@ -326,7 +338,6 @@ class PPOTrainer:
 
         # 6. PPO epochs: clipped policy and value losses on shuffled minibatches (skipped, and
         #    counted, when a reward is not finite).
-        finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
         if not finite:
             bad = [k.removeprefix("reward/") for k, v in fo.parts.items() if not torch.isfinite(v).all()] or \
                 ["another process's reward"]
@@ -354,6 +365,8 @@ class PPOTrainer:
                                            lr=lr, critic_lr=critic_lr, epochs=epochs_done,
                                            skipped_total=self.skipped_total,
                                            times=(t_start, t_rollout, t_score, t_train))
+        if a.advantage == "gae" and cfg.reward.scale_scores:
+            metrics["objective/score_scale"] = unit
         samples = []
         if step % cfg.run.sample_every == 0 or step == a.steps - 1:
             kl_seq = kl.sum(1)

@@ -13,6 +13,7 @@ from ppolm.core import (
     LOSS_AGG_MODES,
     AdaptiveKLController,
     FixedKLController,
+    RunningScale,
     aggregate_denominator,
     aggregate_loss,
     dpo_loss,
@@ -619,6 +620,28 @@ def test_kl_controllers_state_dict_roundtrip_and_fixed() -> None:
     other = FixedKLController(1.0)
     other.load_state_dict(fixed.state_dict())
     assert other.value == 0.05
+
+
+def test_running_scale_is_the_std_of_every_score_seen() -> None:
+    scale = RunningScale()
+    assert scale.std == 1.0  # nothing seen: no unit
+    scale.update(2, 0.0, 0.0)  # scores [0, 0]: still no spread
+    assert scale.std == 1.0
+    # then [1, 3] (mean 2, squared deviations 1 + 1 = 2): all four {0, 0, 1, 3} have mean 1 and
+    # variance (1 + 1 + 0 + 4) / 4 = 1.5
+    scale.update(2, 2.0, 2.0)
+    assert scale.count == 4 and scale.mean == 1.0
+    close(scale.std, math.sqrt(1.5), atol=1e-12)
+    # batch by batch equals all at once (Chan et al.): [5] then [-1, 2, 2]
+    scale.update(1, 5.0, 0.0)
+    scale.update(3, 1.0, 6.0)
+    every = torch.tensor([0.0, 0.0, 1.0, 3.0, 5.0, -1.0, 2.0, 2.0], dtype=torch.float64)
+    close(scale.std, every.std(unbiased=False).item(), atol=1e-12)
+    restored = RunningScale()
+    restored.load_state_dict(scale.state_dict())
+    assert restored.std == scale.std and restored.count == 8
+    scale.update(0, 123.0, 0.0)  # an empty batch changes nothing
+    assert restored.state_dict() == scale.state_dict()
 
 
 # ----------------------------------------------------------------------------- diagnostics

@@ -2,8 +2,8 @@
 
 Task: answer the built-in "write one sentence about ..." prompts concisely. Reward (a TRL-style
 function): 1 - min(words, 40) / 40, so a 10-word answer scores 0.75 and a 40-word one 0. The
-starting model answers in ~25-35 words (reward ~0.3); PPO (lr 1e-4, 2 epochs, beta 0.05, a shared
-value head) shortens its answers within 8 steps of 8 rollouts. Measured on held-out
+starting model answers in ~25-35 words (reward ~0.3); PPO (lr 1e-4, 2 epochs, the default KL settings, a
+shared value head) shortens its answers within 8 steps of 8 rollouts. Measured on held-out
 prompts before and after training (sampling with a fixed seed).
 """
 
