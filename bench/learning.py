@@ -19,7 +19,7 @@ completion length (both estimate the same KL of the sampling policy to the refer
         [--systems ppo,grpo] [--grpo-lrs 5e-5,1e-4] [--trl-python /path/to/venv-with-trl/bin/python]
         [--ppo-args "--actor-lr 1e-5"] [--tag NAME] [--kl-target 6]
 
-(`--ppo-args "--no-scale-scores --kl-coef 0.01" --tag raw` runs the previous defaults: raw scores.)
+(`--ppo-args "--score-scale std --kl-coef 0.05" --tag std` runs every score in units of its running std.)
 
 TRL runs in its own virtual environment (`pip install torch==2.13.0 "trl==1.16.*"`), as a
 subprocess; ppolm never imports it. Results are cached per run in --out, so a rerun only trains

@@ -629,8 +629,9 @@ class RunningScale:
     sec. 3) makes --kl-coef mean the same for every reward; advantages are whitened afterwards, so
     the scale of the scores themselves does not otherwise matter. The mean is not subtracted: one
     score per response on its last token, a constant shift changes no advantage in expectation.
-    ``std`` is 1 until two scores seen differ (a reward nobody has earned yet carries no unit).
-    Moments are combined per batch (Chan et al. 1979), in float64.
+    ``std`` is 0 until two scores seen differ (a reward nobody has earned yet carries no unit);
+    :func:`score_unit` turns it into the divisor. Moments are combined per batch (Chan et al.
+    1979), in float64.
     """
 
     def __init__(self) -> None:
@@ -650,14 +651,39 @@ class RunningScale:
 
     @property
     def std(self) -> float:
+        """The running std; 0 until two scores seen differ."""
         var = self.m2 / self.count if self.count else 0.0
-        return math.sqrt(var) if var > 1e-12 else 1.0
+        return math.sqrt(var) if var > 1e-12 else 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {"count": self.count, "mean": self.mean, "m2": self.m2}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+SCORE_SPREAD = (0.05, 0.5)
+"""The running score std within which ``score_unit(..., "auto")`` leaves scores as they are: the
+spread of the [0, 1] rule-based rewards of bench/learning.py (0.05-0.45), on which PPO's default
+beta of 0.01 per reward unit was measured."""
+
+
+def score_unit(std: float, mode: str, spread: tuple[float, float] = SCORE_SPREAD) -> float:
+    """The divisor of the scores before the KL penalty, from their running std (:class:`RunningScale`).
+
+    none: 1 (raw scores). std: ``std`` (scores in units of their spread; beta per std). auto:
+    ``std / clip(std, lo, hi)``: 1 while the spread lies in ``spread``, else the factor that brings
+    it to the nearer edge, so that a reward 10x smaller or larger than the ones the default beta
+    was measured on is priced against the KL as they are. 1 whenever ``std`` is 0 (no spread yet).
+    """
+    if mode not in ("none", "std", "auto"):
+        raise ValueError(f"mode must be none, std or auto, got {mode!r}")
+    if mode == "none" or std <= 0:
+        return 1.0
+    if mode == "std":
+        return float(std)
+    lo, hi = spread
+    return float(std) / min(max(float(std), lo), hi)
 
 
 class FixedKLController:
@@ -677,7 +703,7 @@ class FixedKLController:
 
 
 __all__ = [
-    "DPO_LOSS_TYPES", "KL_KINDS", "LOSS_AGG_MODES", "AdaptiveKLController", "FixedKLController", "RunningScale", "aggregate_loss",
+    "DPO_LOSS_TYPES", "KL_KINDS", "LOSS_AGG_MODES", "AdaptiveKLController", "FixedKLController", "RunningScale", "SCORE_SPREAD", "score_unit", "aggregate_loss",
     "dpo_loss", "entropy_from_logits", "explained_variance", "gae", "group_baseline", "grouped_pairwise_loss",
     "grpo_advantages", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean", "masked_sum",
     "masked_var", "masked_whiten", "pairwise_loss", "policy_loss", "reinforce_pp_returns", "remax_advantages",

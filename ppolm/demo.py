@@ -353,7 +353,7 @@ class Demo:
             kl_coef_min=s.kl_coef_min,
             # the proxy is normalised to unit std on the pairs' responses, the unit the demo's beta was
             # measured in; it keeps its raw scores rather than ppolm ppo's running scale
-            scale_scores=False,
+            score_scale="none",
             length_penalty=s.length_penalty, length_budget=s.length_budget,
             adaptive_kl=True, precision=self.precision, device=self.device.type, seed=self.cfg.seed, sample_every=1,
             save_every=1, keep_last=1, output_dir=str(out), overwrite=not resume, resume=resume, quiet=self.cfg.quiet)

@@ -299,18 +299,19 @@ class PPOTrainer:
         t_score = time.perf_counter()
 
         # 4. Per-token KL vs the reference; the score lands on each response's last real token.
-        #    With --scale-scores the score is measured in units of the running std of every score so
-        #    far (core.RunningScale), so beta means the same whatever the reward's scale.
+        #    The score is divided by core.score_unit of the running std of every score so far
+        #    (--score-scale): by default only a reward whose spread lies outside the range the
+        #    default beta was measured on is rescaled to it.
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
         unit = 1.0
         if a.advantage == "gae":
-            if cfg.reward.scale_scores and finite:
+            if cfg.reward.score_scale != "none" and finite:
                 n, total, squares = distributed.all_sum_floats(
                     [scores.numel(), scores.double().sum().item(), scores.double().pow(2).sum().item()])
                 self.score_scale.update(n, total / n, max(0.0, squares - total * total / n))
-            unit = self.score_scale.std if cfg.reward.scale_scores else 1.0
+            unit = core.score_unit(self.score_scale.std, cfg.reward.score_scale)
             rewards, non_score = core.shape_rewards(scores / unit, kl, beta if cfg.kl.kl_in == "reward" else 0.0,
                                                     mask)
             non_score = non_score * unit  # logged in the score's own units: rlhf_reward = score - unit * beta * KL
@@ -365,7 +366,7 @@ class PPOTrainer:
                                            lr=lr, critic_lr=critic_lr, epochs=epochs_done,
                                            skipped_total=self.skipped_total,
                                            times=(t_start, t_rollout, t_score, t_train))
-        if a.advantage == "gae" and cfg.reward.scale_scores:
+        if a.advantage == "gae" and cfg.reward.score_scale != "none":
             metrics["objective/score_scale"] = unit
         samples = []
         if step % cfg.run.sample_every == 0 or step == a.steps - 1:

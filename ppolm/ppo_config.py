@@ -66,8 +66,8 @@ class RewardConfig:
     """Response tokens free of --length-penalty: score -= length_penalty * max(0, length - budget). A budget keeps the penalty from favouring empty or clipped answers."""
     whiten_rewards: bool = False
     """Whiten the per-token rewards over the batch (scale only, mean kept; OpenAI detail 11). Needs batch >= 8."""
-    scale_scores: bool = True
-    """PPO (--advantage gae): divide each score by the running std of every score so far before the KL penalty is added (reward scaling, Engstrom et al. 2020; 1 until two scores differ), so --kl-coef means the same for a reward in [0, 0.1] as for one in [0, 10]. Without it, in bench/learning.py, a reward 10x smaller than [0, 1] learnt a third as much (the KL penalty outweighed it) and one 10x larger ran at 2.5-3x the KL target for its last 10 steps. The logged scores stay raw; objective/score_scale is the divisor."""
+    score_scale: Literal["auto", "std", "none"] = "auto"
+    """PPO (--advantage gae): what the score is divided by before the KL penalty is added, from the running std of every score so far (ppolm.core.score_unit; objective/score_scale logs the divisor, the logged scores stay raw). auto: nothing while that std lies in [0.05, 0.5], the spread of the [0, 1] rewards the default --kl-coef was measured on, else the factor that brings it to the nearer edge; without it, in bench/learning.py, a reward 10x smaller learnt a third as much (the KL penalty outweighed it) and one 10x larger ran at 2.5-3x the KL target for its last 10 steps. std: the std itself (reward scaling, Engstrom et al. 2020; beta is then per std, e.g. --kl-coef 0.05). none: raw scores."""
 
 
 @dataclass
@@ -144,8 +144,8 @@ class AlgoConfig:
 
 @dataclass
 class KLConfig:
-    kl_coef: float = 0.05
-    """Initial KL coefficient beta, and by default the adaptive controller's floor (--kl-coef-min); per nat of KL in units of the running score std with --scale-scores (the default), in the reward's own units without. 0.05: on the rule-based rewards of bench/learning.py, whose scores spread by 0.05-0.35, that is 0.003-0.02 per raw reward unit, about the raw 0.01 these rewards were tuned with (raw 0.05, Huang et al. 2024's value for 1B TL;DR at 512 rollouts a batch, learnt a rare reward a third as much in 40 updates of 8 rollouts); the controller raises beta as soon as the KL passes --kl-target."""
+    kl_coef: float = 0.01
+    """Initial KL coefficient beta, and by default the adaptive controller's floor (--kl-coef-min), per nat of KL in units of the (--score-scale) score. 0.01: in 40 updates of 8 rollouts a policy held at beta 0.05 (Huang et al. 2024's value for 1B TL;DR at 512 rollouts a batch) learnt a rare rule-based reward a third as much (bench/learning.py); the controller raises beta as soon as the KL passes --kl-target."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL estimator of the reward penalty and the reported KL: k1 = logp - logp_ref (OpenAI), k2 = squared/2, k3 = exp(-x)-1+x (non-negative). With --kl-in loss the loss term uses k3 whatever this is."""
     kl_in: Literal["auto", "reward", "loss"] = "auto"

@@ -229,7 +229,7 @@ def load_state(trainer: Any, tensors: dict[str, torch.Tensor], meta: dict[str, A
         checkpoint.load_optimizer_state(trainer.critic_opt, "critic_opt", tensors, meta["critic_opt"])
         trainer.critic_sched.load_state_dict(meta["critic_sched"])
     trainer.kl_ctl.load_state_dict(meta["kl_ctl"])
-    if "score_scale" in meta:  # (absent from checkpoints written before --scale-scores)
+    if "score_scale" in meta:  # (absent from checkpoints written before --score-scale)
         trainer.score_scale.load_state_dict(meta["score_scale"])
     trainer.skipped_total, trainer.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
     checkpoint.set_rng_state(tensors, meta["rng"], trainer.rank)

@@ -36,6 +36,7 @@ from ppolm.core import (
     reinforce_pp_returns,
     remax_advantages,
     rloo_advantages,
+    score_unit,
     shape_rewards,
     value_loss,
 )
@@ -624,9 +625,9 @@ def test_kl_controllers_state_dict_roundtrip_and_fixed() -> None:
 
 def test_running_scale_is_the_std_of_every_score_seen() -> None:
     scale = RunningScale()
-    assert scale.std == 1.0  # nothing seen: no unit
+    assert scale.std == 0.0  # nothing seen: no unit
     scale.update(2, 0.0, 0.0)  # scores [0, 0]: still no spread
-    assert scale.std == 1.0
+    assert scale.std == 0.0
     # then [1, 3] (mean 2, squared deviations 1 + 1 = 2): all four {0, 0, 1, 3} have mean 1 and
     # variance (1 + 1 + 0 + 4) / 4 = 1.5
     scale.update(2, 2.0, 2.0)
@@ -642,6 +643,17 @@ def test_running_scale_is_the_std_of_every_score_seen() -> None:
     assert restored.std == scale.std and restored.count == 8
     scale.update(0, 123.0, 0.0)  # an empty batch changes nothing
     assert restored.state_dict() == scale.state_dict()
+
+
+def test_score_unit_leaves_the_measured_spread_alone() -> None:
+    assert score_unit(0.0, "auto") == score_unit(0.0, "std") == 1.0  # no spread yet: raw
+    assert score_unit(0.2, "none") == 1.0 and score_unit(0.2, "std") == 0.2
+    # auto: inside [0.05, 0.5] raw; 0.01 -> 0.01 / 0.05 = 0.2 (scores x 5); 2.0 -> 2 / 0.5 = 4
+    assert score_unit(0.05, "auto") == score_unit(0.3, "auto") == score_unit(0.5, "auto") == 1.0
+    close(score_unit(0.01, "auto"), 0.2, atol=1e-12)
+    close(score_unit(2.0, "auto"), 4.0, atol=1e-12)
+    with pytest.raises(ValueError, match="none, std or auto"):
+        score_unit(1.0, "raw")
 
 
 # ----------------------------------------------------------------------------- diagnostics

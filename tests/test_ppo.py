@@ -198,9 +198,9 @@ def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
     --kl-coef-min 0 shrinks by (1 - 0.2 / 10) per update at horizon 10."""
     up = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "up", reward_file, kl_target=1e-9, steps=3)).metrics
     beta = [r["objective/kl_coef"] for r in up]
-    assert beta[0] == beta[1] == 0.05 and beta[2] == pytest.approx(0.05 * 1.2)
+    assert beta[0] == beta[1] == 0.01 and beta[2] == pytest.approx(0.01 * 1.2)
     held = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "floor", reward_file, kl_target=100.0)).metrics
-    assert held[0]["objective/kl_coef"] == held[1]["objective/kl_coef"] == 0.05
+    assert held[0]["objective/kl_coef"] == held[1]["objective/kl_coef"] == 0.01
     free = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "free", reward_file, kl_target=100.0, kl_horizon=10,
                               kl_coef_min=0.0)).metrics
     assert free[1]["objective/kl_coef"] == pytest.approx(free[0]["objective/kl_coef"] * (1 - 0.2 / 10))
@@ -208,9 +208,10 @@ def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
 
 def test_scaled_scores_make_the_kl_coefficient_independent_of_the_reward_scale(tiny_policy_dir, tmp_path,
                                                                                reward_file):
-    """--scale-scores (the default) divides each score by the running std of every score so far:
-    the reward x 0.1 (--reward-fn-weights) then trains the same policy as the reward itself; with
-    --no-scale-scores the KL penalty weighs 10x more against the smaller reward and the runs part."""
+    """--score-scale std divides each score by the running std of every score so far: the reward
+    x 0.1 (--reward-fn-weights) then trains the same policy as the reward itself. auto (the
+    default) does so only outside the spread [0.05, 0.5]: x 0.01 and x 0.001 (spreads ~1e-3 and
+    ~1e-4) both come to 0.05 and train the same policy, while the raw scores (none) part."""
     def policy(name: str, **over) -> dict[str, torch.Tensor]:
         rows = train_ppo(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=3, kl_coef=0.5,
                                   adaptive_kl=False, **over)).metrics
@@ -220,14 +221,20 @@ def test_scaled_scores_make_the_kl_coefficient_independent_of_the_reward_scale(t
     def worst(a: dict, b: dict) -> float:
         return max((a[k] - b[k]).abs().max().item() for k in a)
 
-    (one, rows1), (tenth, rows01) = policy("one"), policy("tenth", reward_fn_weights=[0.1])
+    (one, rows1), (tenth, rows01) = policy("one", score_scale="std"), policy("tenth", score_scale="std",
+                                                                             reward_fn_weights=[0.1])
     assert worst(one, tenth) < 1e-6
     assert [r["objective/score_scale"] * 0.1 for r in rows1] == pytest.approx(
         [r["objective/score_scale"] for r in rows01], rel=1e-6)
     assert rows1[0]["objective/score_scale"] != 1.0
-    (raw1, _), (raw01, _) = policy("raw-one", scale_scores=False), policy("raw-tenth", reward_fn_weights=[0.1],
-                                                                          scale_scores=False)
-    assert worst(raw1, raw01) > 1e-5  # (scaled: ~1e-8 apart, float rounding; raw: ~2e-4)
+    (small, rows_s), (smaller, rows_ss) = policy("small", reward_fn_weights=[0.01]), \
+        policy("smaller", reward_fn_weights=[0.001])
+    assert worst(small, smaller) < 1e-6
+    assert rows_s[0]["objective/score_scale"] < 0.05 and rows_s[0]["objective/score_scale"] == pytest.approx(
+        10 * rows_ss[0]["objective/score_scale"], rel=1e-6)
+    (raw, _), (raw_smaller, _) = policy("raw", score_scale="none", reward_fn_weights=[0.01]), \
+        policy("raw-smaller", score_scale="none", reward_fn_weights=[0.001])
+    assert worst(raw, raw_smaller) > 1e-5  # (scaled: ~1e-8 apart, float rounding)
 
 
 def test_ptx_mix_and_target_kl(tiny_policy_dir, tmp_path, reward_file):
