@@ -618,15 +618,15 @@ class AdaptiveKLController:
 
 
 class RunningScale:
-    """The running standard deviation of every score a run has seen: the unit PPO's KL penalty is
-    measured in, so that the shaped reward is score / std - beta * KL per token.
+    """The running standard deviation of every score a run has seen, from which :func:`score_unit`
+    derives the divisor of the scores before PPO's KL penalty (score / unit - beta * KL per token).
 
     Why: the KL coefficient trades nats of KL against units of reward, so with raw scores its right
     value depends on the reward's scale: a coefficient that suits a reward in [0, 1] holds a reward
     in [0, 0.1] at its start (the KL penalty outweighs it) and lets one in [0, 10] run past its KL
     target for the many updates the adaptive controller needs to climb 10x. Dividing by the running
     std ("reward scaling", Engstrom et al. 2020, "Implementation Matters in Deep Policy Gradients",
-    sec. 3) makes --kl-coef mean the same for every reward; advantages are whitened afterwards, so
+    sec. 3, ``--score-scale std``) makes --kl-coef mean the same for every reward; advantages are whitened afterwards, so
     the scale of the scores themselves does not otherwise matter. The mean is not subtracted: one
     score per response on its last token, a constant shift changes no advantage in expectation.
     ``std`` is 0 until two scores seen differ (a reward nobody has earned yet carries no unit);
@@ -703,7 +703,8 @@ class FixedKLController:
 
 
 __all__ = [
-    "DPO_LOSS_TYPES", "KL_KINDS", "LOSS_AGG_MODES", "AdaptiveKLController", "FixedKLController", "RunningScale", "SCORE_SPREAD", "score_unit", "aggregate_loss",
+    "DPO_LOSS_TYPES", "KL_KINDS", "LOSS_AGG_MODES", "SCORE_SPREAD", "AdaptiveKLController", "FixedKLController",
+    "RunningScale", "aggregate_loss", "score_unit",
     "dpo_loss", "entropy_from_logits", "explained_variance", "gae", "group_baseline", "grouped_pairwise_loss",
     "grpo_advantages", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean", "masked_sum",
     "masked_var", "masked_whiten", "pairwise_loss", "policy_loss", "reinforce_pp_returns", "remax_advantages",

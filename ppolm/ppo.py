@@ -308,9 +308,8 @@ class PPOTrainer:
         unit = 1.0
         if a.advantage == "gae":
             if cfg.reward.score_scale != "none" and finite:
-                n, total, squares = distributed.all_sum_floats(
-                    [scores.numel(), scores.double().sum().item(), scores.double().pow(2).sum().item()])
-                self.score_scale.update(n, total / n, max(0.0, squares - total * total / n))
+                mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
+                self.score_scale.update(n, float(mean), float(var) * n)
             unit = core.score_unit(self.score_scale.std, cfg.reward.score_scale)
             rewards, non_score = core.shape_rewards(scores / unit, kl, beta if cfg.kl.kl_in == "reward" else 0.0,
                                                     mask)
