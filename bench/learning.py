@@ -17,13 +17,19 @@ completion length (both estimate the same KL of the sampling policy to the refer
 
     python bench/learning.py --out /tmp/learning [--tasks exclaim,short,keyword,question]
         [--systems ppo,grpo] [--grpo-lrs 5e-5,1e-4] [--trl-python /path/to/venv-with-trl/bin/python]
-        [--ppo-args "--actor-lr 1e-5"] [--tag NAME] [--kl-target 6]
+        [--ppo-args "--actor-lr 1e-5"] [--tag NAME] [--kl-target 6] [--seed 0] [--jobs 2]
 
 (`--ppo-args "--score-scale std --kl-coef 0.05" --tag std` runs every score in units of its running std.)
 
 TRL runs in its own virtual environment (`pip install torch==2.13.0 "trl==1.16.*"`), as a
 subprocess; ppolm never imports it. Results are cached per run in --out, so a rerun only trains
 what is missing; the table is printed at the end.
+
+`--jobs N` trains N runs side by side, each on one CPU thread (OMP_NUM_THREADS=1), and scores them
+afterwards on every thread. On a 2-core machine two one-thread runs take about as long per step as
+one run on both cores (decoding a batch of 8 is memory-bound), so the benchmark takes about half
+the time; two runs with two threads each would spin-wait against each other and run many times
+slower.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -107,10 +115,18 @@ def frontier(traj: list[tuple[float, float]], budget: float, window: int = 8) ->
     return max((m for m in means if m[1] <= budget), key=lambda m: (m[0], -m[1]), default=None)  # ties: less KL
 
 
-def run(cmd: list[str], log: Path) -> float:
+def task_of(key: str) -> str:
+    """The task of a result key ("exclaim/ppo-defaults" -> "exclaim")."""
+    return key.split("/")[0]
+
+
+def run(cmd: list[str], log: Path, threads: int | None = None) -> float:
+    """Run one training command, its output to ``log``; its wall time in seconds. ``threads``: the
+    CPU threads it may use (OMP_NUM_THREADS), default torch's own choice (every core)."""
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     t = time.perf_counter()
     with open(log, "w") as f:
-        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
+        subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, env=env)
     return time.perf_counter() - t
 
 
@@ -127,6 +143,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kl-target", type=float, default=None,
                     help="KL budget of the equal-KL table (default: ppolm ppo's --kl-target)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs trained side by side, one CPU thread each (default 1: one run on every core)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,11 +156,11 @@ def main() -> None:
     def save() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))
 
+    jobs = []  # (result key, command, subdirectory holding the policy)
     for task in args.tasks.split(","):
         if f"{task}/start" not in results:
             results[f"{task}/start"] = {**score(ref, ref, task), "wall_s": 0.0}
             save()
-        jobs = []
         if "ppo" in args.systems:
             jobs.append((f"{task}/ppo-{args.tag}", [sys.executable, "-m", "ppolm.cli", "ppo", "--reward-fn",
                          f"{HERE / 'learning_tasks.py'}:{task}", "--steps", str(args.steps), "--response-length", "32",
@@ -151,19 +169,33 @@ def main() -> None:
             for lr in args.grpo_lrs.split(","):
                 jobs.append((f"{task}/grpo-lr{lr}", [args.trl_python, str(HERE / "trl_grpo.py"), "--model", str(ref),
                              "--task", task, "--lr", lr, "--steps", str(args.steps), "--seed", str(args.seed)], ""))
-        for key, cmd, sub in jobs:
-            if key in results:
-                continue
-            d = out / key.replace("/", "__")
-            cmd = cmd + ["--output-dir" if cmd[1] == "-m" else "--out", str(d)]
-            wall = run(cmd, out / (key.replace("/", "__") + ".log"))
-            metrics = {}
-            if sub == "policy":
-                rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-                metrics = {"train_kl_last": rows[-1]["objective/kl"], "beta_last": rows[-1]["objective/kl_coef"]}
-            results[key] = {**score(d / sub if sub else d, ref, task), "wall_s": round(wall, 1), **metrics}
-            save()
-            print(key, json.dumps(results[key]), flush=True)
+    jobs = [j for j in jobs if j[0] not in results]
+
+    def train(job: tuple[str, list[str], str]) -> float:
+        key, cmd, _ = job
+        d = out / key.replace("/", "__")
+        cmd = cmd + ["--output-dir" if cmd[1] == "-m" else "--out", str(d)]
+        return run(cmd, out / (key.replace("/", "__") + ".log"), threads=1 if args.jobs > 1 else None)
+
+    def record(job: tuple[str, list[str], str], wall: float) -> None:
+        key, _, sub = job
+        d = out / key.replace("/", "__")
+        metrics = {}
+        if sub == "policy":
+            rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+            metrics = {"train_kl_last": rows[-1]["objective/kl"], "beta_last": rows[-1]["objective/kl_coef"]}
+        results[key] = {**score(d / sub if sub else d, ref, task_of(key)), "wall_s": round(wall, 1), **metrics}
+        save()
+        print(key, json.dumps(results[key]), flush=True)
+
+    if args.jobs > 1:  # train side by side, then score each on every core
+        with ThreadPoolExecutor(args.jobs) as pool:
+            walls = list(pool.map(train, jobs))
+        for job, wall in zip(jobs, walls):
+            record(job, wall)
+    else:
+        for job in jobs:
+            record(job, train(job))
 
     print(f"\n{'task':9} {'system':22} {'reward':>14} {'closed':>7} {'KL':>6} {'wall s':>7}")
     for key, r in sorted(results.items()):
