@@ -287,8 +287,12 @@ def test_checkpoint_refuses_non_finite_tensors(tmp_path):
     assert checkpoint.load_latest(root)[2]["x"] == 1
 
 
+@pytest.mark.parametrize("raised", ["oserror", "safetensors"])
 def test_disk_full_or_denied_while_saving_keeps_previous_checkpoint(micro_dir, reward_file, tmp_path, capsys,
-                                                                    monkeypatch):
+                                                                    monkeypatch, raised):
+    """A full disk while a checkpoint is written is one line, whether it arrives as an OSError or,
+    as the safetensors library raises it, as its own SafetensorError naming the OS error."""
+    import safetensors
     import safetensors.torch
 
     import ppolm.models
@@ -298,6 +302,9 @@ def test_disk_full_or_denied_while_saving_keeps_previous_checkpoint(micro_dir, r
     def full_disk(tensors, filename, *a, **k):
         calls["n"] += 1
         if calls["n"] == 3:  # the third checkpoint
+            if raised == "safetensors":
+                raise safetensors.SafetensorError(
+                    f"Error while serializing: I/O error: {os.strerror(errno.ENOSPC)} (os error {errno.ENOSPC})")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
         return real(tensors, filename, *a, **k)
 
@@ -322,6 +329,9 @@ def test_disk_full_or_denied_while_saving_keeps_previous_checkpoint(micro_dir, r
 
     # the final save denied: one line; the checkpoints and the previous policy/ untouched
     def denied(model, tok, path):
+        if raised == "safetensors":  # as transformers' save_pretrained passes it on from safetensors
+            raise safetensors.SafetensorError(f"Error while serializing: I/O error: {os.strerror(errno.ENOSPC)} "
+                                              f"(os error {errno.ENOSPC})")
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
     monkeypatch.setattr(ppolm.models, "save_pretrained", denied)
@@ -329,7 +339,8 @@ def test_disk_full_or_denied_while_saving_keeps_previous_checkpoint(micro_dir, r
     assert main(ppo_args(micro_dir, reward_file, out, steps=5) + ["--keep-last", "5", "--lr-schedule", "constant",
                                                                  "--resume"]) == 2
     err_text = capsys.readouterr().err
-    assert "error: permission denied while writing the final policy/critic" in err_text
+    why = "no space left on the device" if raised == "safetensors" else "permission denied"
+    assert f"error: {why} while writing the final policy/critic" in err_text
     assert "Traceback" not in err_text
     assert (out / "policy" / "model.safetensors").read_bytes() == before
     assert "step-000005" in [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")]
