@@ -71,16 +71,13 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
-                  moments: tuple[torch.Tensor, torch.Tensor] | None = None, min_var: float = 0.0) -> torch.Tensor:
-    """(x - mu) / sqrt(max(var, min_var) + 1e-8) with mu, var over the real entries; (B, T) -> (B, T).
+                  moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """(x - mu) / sqrt(var + 1e-8) with mu, var over the real entries; (B, T) -> (B, T).
 
     With ``shift_mean=False`` the mean is added back: (x - mu) / sigma + mu (used for rewards,
     whose sign matters). Padding (mask 0) is returned as 0. ``moments``: (mu, biased var) given
     instead of computed from ``x`` (data-parallel training passes those of the global batch).
-    ``min_var``: a floor under the variance divided by, so that a batch whose spread is far below
-    the usual one (see :class:`PooledVariance`) keeps its small scale instead of being blown up to
-    unit variance. Source: ``whiten`` in OpenAI lm-human-preferences (advantages are whitened with
-    shift_mean=True; no floor).
+    Source: ``whiten`` in OpenAI lm-human-preferences (advantages are whitened with shift_mean=True).
     """
     if moments is not None:
         mean, var = moments
@@ -89,8 +86,6 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
         # Biased variance, as OpenAI's whiten (tf.nn.moments divides by n): for the thousands of
         # tokens of a PPO batch the difference is negligible and a batch of one token stays finite.
         var = masked_var(x, mask, unbiased=False)
-    if min_var > 0:
-        var = torch.clamp(var, min=float(min_var))
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
@@ -667,44 +662,6 @@ class RunningScale:
         self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
 
 
-class PooledVariance:
-    """The pooled within-batch variance of every batch seen: sum(n_b * var_b) / sum(n_b), with
-    var_b the (biased) variance of batch b's n_b entries around the batch's own mean.
-
-    PPO's ``--whiten-scale running`` divides each batch's centred advantages by the square root of
-    the larger of this and the batch's own variance. Per-batch whitening (OpenAI detail 12) gives
-    every batch unit-variance advantages, so on a rarely earned reward a batch with no reward in it,
-    whose advantages are only the critic's errors and the KL penalty (10-100x less variance than a
-    batch with a hit, bench/learning.py), takes as large a step as one that carries signal: the noise
-    spends the KL budget and overwrites Adam's momentum from the last hit. With the pooled floor
-    such a batch keeps its true, small scale, while a batch of ordinary spread is whitened as before
-    (its own variance is at least the pool's about half the time, and the pool's never more than a
-    few times its own on a dense reward). The pool's unit is the advantage's, so the floor adapts to
-    any reward scale. Batch moments add exactly (Chan et al. 1979 without the between-batch term).
-    """
-
-    def __init__(self) -> None:
-        self.count: float = 0.0
-        self.total: float = 0.0  # sum of n_b * var_b
-
-    def update(self, count: float, var: float) -> None:
-        """Add a batch: its number of entries and their biased variance."""
-        if count > 0 and math.isfinite(var):
-            self.count += float(count)
-            self.total += float(count) * float(var)
-
-    @property
-    def var(self) -> float:
-        """The pooled variance; 0 before any batch."""
-        return self.total / self.count if self.count else 0.0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "total": self.total}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count, self.total = float(state["count"]), float(state["total"])
-
-
 SCORE_SPREAD = (0.05, 0.5)
 """The running score std within which ``score_unit(..., "auto")`` leaves scores as they are: the
 spread of the [0, 1] rule-based rewards of bench/learning.py (0.05-0.45), on which PPO's default
@@ -747,7 +704,7 @@ class FixedKLController:
 
 __all__ = [
     "DPO_LOSS_TYPES", "KL_KINDS", "LOSS_AGG_MODES", "SCORE_SPREAD", "AdaptiveKLController", "FixedKLController",
-    "PooledVariance", "RunningScale", "aggregate_loss", "score_unit",
+    "RunningScale", "aggregate_loss", "score_unit",
     "dpo_loss", "entropy_from_logits", "explained_variance", "gae", "group_baseline", "grouped_pairwise_loss",
     "grpo_advantages", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean", "masked_sum",
     "masked_var", "masked_whiten", "pairwise_loss", "policy_loss", "reinforce_pp_returns", "remax_advantages",

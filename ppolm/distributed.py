@@ -250,14 +250,14 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
     return mean.to(torch.float32), var.to(torch.float32), n
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, min_var: float = 0.0) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """:func:`ppolm.core.masked_whiten` with the mean and variance of every process's entries."""
     from ppolm import core
 
     if not active():
-        return core.masked_whiten(x, mask, shift_mean=shift_mean, min_var=min_var)
+        return core.masked_whiten(x, mask, shift_mean=shift_mean)
     mean, var, _ = masked_moments(x, mask)
-    return core.masked_whiten(x, mask, shift_mean=shift_mean, moments=(mean, var), min_var=min_var)
+    return core.masked_whiten(x, mask, shift_mean=shift_mean, moments=(mean, var))
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> float:

@@ -120,7 +120,6 @@ class PPOTrainer:
         self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, floor) if k.adaptive_kl
                        else core.FixedKLController(k.kl_coef))
         self.score_scale = core.RunningScale()
-        self.adv_pool = core.PooledVariance()  # --whiten-scale running
         self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
         self.skipped_total = 0
         self.consecutive_skips = 0
@@ -306,7 +305,7 @@ class PPOTrainer:
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
-        unit, adv_scale = 1.0, 1.0
+        unit = 1.0
         if a.advantage == "gae":
             if cfg.reward.score_scale != "none" and finite:
                 mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
@@ -325,16 +324,7 @@ class PPOTrainer:
             advantages, returns = core.gae(rewards, old_values, mask, a.gamma, a.lam)  # (B, R)
             adv_var = distributed.masked_var(advantages, mask)
             if a.whiten_advantages:
-                # --whiten-scale running: a batch whose spread is below the pooled spread of every
-                # batch so far keeps its relative scale (core.PooledVariance: on a rare reward,
-                # batches without a hit are mostly critic noise).
-                floor = 0.0
-                if a.whiten_scale == "running" and finite:
-                    _, batch_var, n = distributed.masked_moments(advantages, mask)
-                    self.adv_pool.update(n, float(batch_var))
-                    floor = self.adv_pool.var
-                    adv_scale = math.sqrt(float(batch_var) / max(float(batch_var), floor)) if floor > 0 else 1.0
-                advantages = distributed.masked_whiten(advantages, mask, min_var=floor)
+                advantages = distributed.masked_whiten(advantages, mask)
         else:
             # 5'. A critic-free estimator (--advantage): no values; returns are the advantages.
             rewards, non_score, advantages, adv_var = self.critic_free_advantages(scores, kl, beta, mask,
@@ -377,8 +367,6 @@ class PPOTrainer:
                                            times=(t_start, t_rollout, t_score, t_train))
         if a.advantage == "gae" and cfg.reward.score_scale != "none":
             metrics["objective/score_scale"] = unit
-        if a.advantage == "gae" and a.whiten_advantages and a.whiten_scale == "running":
-            metrics["adv/scale"] = adv_scale
         samples = []
         if step % cfg.run.sample_every == 0 or step == a.steps - 1:
             kl_seq = kl.sum(1)

@@ -124,8 +124,6 @@ class AlgoConfig:
     """Entropy bonus coefficient (0 = off)."""
     whiten_advantages: bool = True
     """Whiten advantages per batch over real tokens (OpenAI detail 12)."""
-    whiten_scale: Literal["batch", "running"] = "batch"
-    """(--advantage gae) What whitened advantages are divided by. batch: the batch's own std (unit variance every batch, OpenAI detail 12). running: the larger of the batch's std and the pooled within-batch std of every batch so far (core.PooledVariance; adv/scale logs the factor a batch keeps, <= 1), so that a batch with little spread, on a rarely earned reward one with no hit whose advantages are only critic noise, takes a step as small as its signal instead of a full one."""
     target_kl: float | None = None
     """Stop the PPO epochs of a batch early once the approximate KL to the rollout policy exceeds this. None = off."""
     ptx_coef: float = 0.0

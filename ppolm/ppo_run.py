@@ -207,8 +207,7 @@ def state(trainer: Any, next_step: int) -> tuple[dict[str, torch.Tensor], dict[s
     tr, mr = checkpoint.rng_state(distributed.gather_objects(checkpoint.rng_state()))
     tensors.update(ta | tr)
     meta = {"next_step": next_step, "kl_ctl": trainer.kl_ctl.state_dict(),
-            "score_scale": trainer.score_scale.state_dict(), "adv_pool": trainer.adv_pool.state_dict(),
-            "actor_opt": ma,
+            "score_scale": trainer.score_scale.state_dict(), "actor_opt": ma,
             "actor_sched": trainer.actor_sched.state_dict(), "world_size": trainer.world,
             "rng": mr, "skipped_total": trainer.skipped_total, "consecutive_skips": trainer.consecutive_skips}
     if trainer.critic_opt is not None:  # the critic-free estimators have none
@@ -232,8 +231,6 @@ def load_state(trainer: Any, tensors: dict[str, torch.Tensor], meta: dict[str, A
     trainer.kl_ctl.load_state_dict(meta["kl_ctl"])
     if "score_scale" in meta:  # (absent from checkpoints written before --score-scale)
         trainer.score_scale.load_state_dict(meta["score_scale"])
-    if "adv_pool" in meta:  # (absent from checkpoints written before --whiten-scale)
-        trainer.adv_pool.load_state_dict(meta["adv_pool"])
     trainer.skipped_total, trainer.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
     checkpoint.set_rng_state(tensors, meta["rng"], trainer.rank)
     trainer.start_step = meta["next_step"]

@@ -13,7 +13,6 @@ from ppolm.core import (
     LOSS_AGG_MODES,
     AdaptiveKLController,
     FixedKLController,
-    PooledVariance,
     RunningScale,
     aggregate_denominator,
     aggregate_loss,
@@ -95,32 +94,6 @@ def test_masked_whiten_shift_mean_true_and_false() -> None:
     close(masked_whiten(x, MASK), [[-1.0, 1.0, -1.0], [1.0, 0.0, 0.0]])
     # shift_mean=False adds the mean 3 back: 2, 4, 2, 4
     close(masked_whiten(x, MASK, shift_mean=False), [[2.0, 4.0, 2.0], [4.0, 0.0, 0.0]])
-
-
-def test_masked_whiten_variance_floor() -> None:
-    x = torch.tensor([[1.0, 5.0, 1.0], [5.0, 99.0, -7.0]])  # real entries: mean 3, biased var 4
-    # a floor below the batch's variance changes nothing
-    close(masked_whiten(x, MASK, min_var=3.0), masked_whiten(x, MASK))
-    # a floor of 16 (sigma 4): deviations -2, 2, -2, 2 become -0.5, 0.5, -0.5, 0.5 (mean still 0)
-    close(masked_whiten(x, MASK, min_var=16.0), [[-0.5, 0.5, -0.5], [0.5, 0.0, 0.0]])
-    close(masked_whiten(x, MASK, min_var=16.0, moments=(torch.tensor(3.0), torch.tensor(4.0))),
-          [[-0.5, 0.5, -0.5], [0.5, 0.0, 0.0]])
-
-
-def test_pooled_variance_is_the_token_weighted_mean_of_batch_variances() -> None:
-    pool = PooledVariance()
-    assert pool.var == 0.0  # nothing seen
-    # batch [1, 3] (var 1, 2 entries) and batch [0, 0, 0, 10] (mean 2.5, var (3 * 6.25 + 56.25) / 4 = 18.75):
-    # (2 * 1 + 4 * 18.75) / 6 = 77 / 6; the batches' different means do not count
-    pool.update(2, 1.0)
-    pool.update(4, 18.75)
-    close(pool.var, 77 / 6, atol=1e-12)
-    pool.update(0, 5.0)  # an empty batch changes nothing, nor does a non-finite variance
-    pool.update(3, float("nan"))
-    close(pool.var, 77 / 6, atol=1e-12)
-    restored = PooledVariance()
-    restored.load_state_dict(pool.state_dict())
-    assert restored.var == pool.var and restored.count == 6
 
 
 # ----------------------------------------------------------------------------- logits

@@ -237,27 +237,6 @@ def test_scaled_scores_make_the_kl_coefficient_independent_of_the_reward_scale(t
     assert worst(raw, raw_smaller) > 1e-5  # (scaled: ~1e-8 apart, float rounding)
 
 
-def test_running_whiten_scale_divides_by_the_pooled_variance(tiny_policy_dir, tmp_path, reward_file):
-    """--whiten-scale running: each batch's advantages are divided by the larger of its own std and
-    the pooled within-batch std of every batch so far, and adv/scale logs the factor it keeps,
-    sqrt(var_b / max(var_b, pool_b)). Recomputed here from the logged pre-whitening variance
-    (adv/var, unbiased over the batch's n = rows x mean length tokens)."""
-    rows = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, steps=4, whiten_scale="running",
-                              seed=3)).metrics
-    count = total = 0.0
-    expected = []
-    for r in rows:
-        n = round(r["response/length_mean"] * 4)  # batch_size 4
-        var = r["adv/var"] * (n - 1) / n  # biased, as the pool adds it
-        count, total = count + n, total + n * var
-        expected.append(math.sqrt(var / max(var, total / count)))
-    assert [r["adv/scale"] for r in rows] == pytest.approx(expected, rel=1e-4)
-    assert rows[0]["adv/scale"] == 1.0  # the first batch is the whole pool
-    assert min(expected) < 0.99  # a batch below the pool was scaled down (the check is not vacuous)
-    assert "adv/scale" not in train_ppo(make_cfg(tiny_policy_dir, tmp_path / "batch", reward_file,
-                                                 steps=1)).metrics[0]
-
-
 def test_ptx_mix_and_target_kl(tiny_policy_dir, tmp_path, reward_file):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("The quick brown fox jumps over the lazy dog.\nA stitch in time saves nine.\n")

@@ -246,21 +246,6 @@ def test_stop_and_resume_variants_are_bit_identical(micro_dir, reward_file, tmp_
     assert rows_without_time(a / "metrics.jsonl") == rows_without_time(b / "metrics.jsonl")
 
 
-def test_running_whiten_scale_resumes_with_its_pool(micro_dir, reward_file, tmp_path):
-    """--whiten-scale running: the pooled advantage variance is checkpointed, so a run stopped after
-    3 steps and resumed to 6 equals 6 steps straight through, including later steps whose batch was
-    scaled by the pool of the steps before the stop (which a fresh pool would not do)."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    over = ["--lr-schedule", "constant", "--whiten-scale", "running"]
-    assert main(ppo_args(micro_dir, reward_file, a, steps=6) + over) == 0
-    assert main(ppo_args(micro_dir, reward_file, b, steps=3) + over) == 0
-    assert main(ppo_args(micro_dir, reward_file, b, steps=6) + over + ["--resume"]) == 0
-    assert (a / "policy" / "model.safetensors").read_bytes() == (b / "policy" / "model.safetensors").read_bytes()
-    rows = rows_without_time(a / "metrics.jsonl")
-    assert rows == rows_without_time(b / "metrics.jsonl")
-    assert min(r["adv/scale"] for r in rows[3:]) < 0.99, [r["adv/scale"] for r in rows]
-
-
 def test_resume_refuses_other_steps_under_a_linear_schedule(micro_dir, reward_file, tmp_path, capsys):
     """--lr-schedule linear decays to 0 over --steps, so more steps on --resume would change the
     learning rate of the steps already taken; with a constant schedule extending a run stays allowed
