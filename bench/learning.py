@@ -164,7 +164,8 @@ def main() -> None:
         if "ppo" in args.systems:
             jobs.append((f"{task}/ppo-{args.tag}", [sys.executable, "-m", "ppolm.cli", "ppo", "--reward-fn",
                          f"{HERE / 'learning_tasks.py'}:{task}", "--steps", str(args.steps), "--response-length", "32",
-                         "--seed", str(args.seed), "--quiet", "--overwrite", *shlex.split(args.ppo_args)], "policy"))
+                         "--seed", str(args.seed), "--quiet", "--overwrite", "--save-every", str(args.steps),
+                         "--keep-last", "1", *shlex.split(args.ppo_args)], "policy"))  # one checkpoint (each holds Adam states)
         if "grpo" in args.systems and args.trl_python:
             for lr in args.grpo_lrs.split(","):
                 jobs.append((f"{task}/grpo-lr{lr}", [args.trl_python, str(HERE / "trl_grpo.py"), "--model", str(ref),
