@@ -139,17 +139,20 @@ DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk 
                errno.EROFS: "read-only file system"}
 
 
-def as_os_error(e: BaseException, path: Path | str) -> OSError | None:
-    """The OSError behind a safetensors write failure, or None. safetensors raises its own
+@contextlib.contextmanager
+def safetensors_os_errors(path: Path | str) -> Iterator[None]:
+    """Re-raise a safetensors write failure as the OSError behind it, so that the callers' OSError
+    handling (:func:`disk_error`) sees a full disk as one. safetensors raises its own
     ``SafetensorError`` ("I/O error: No space left on device (os error 28)"), not an OSError, when
-    the disk fills while it writes; this recovers the errno so a full disk reads as one line."""
-    if type(e).__name__ != "SafetensorError":
-        return None
-    found = re.search(r"os error (\d+)", str(e))
-    if found is None:
-        return None
-    code = int(found.group(1))
-    return OSError(code, os.strerror(code), str(path))
+    the disk fills while it writes a checkpoint or a model; other errors pass unchanged."""
+    try:
+        yield
+    except Exception as e:
+        found = re.search(r"os error (\d+)", str(e)) if type(e).__name__ == "SafetensorError" else None
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from e
 
 
 def disk_error(e: OSError, where: Path, what: str = "") -> BaseException:
@@ -196,13 +199,8 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     old = parent / f".old-{final.name}-{os.getpid()}"
     try:
         tmp.mkdir()
-        try:
+        with safetensors_os_errors(tmp):
             yield tmp
-        except Exception as e:  # a model's safetensors file could not be written (e.g. a full disk)
-            io = as_os_error(e, tmp)
-            if io is None:
-                raise
-            raise io from e
         for f in tmp.rglob("*"):
             if f.is_file():
                 with open(f, "rb") as fh:
@@ -236,13 +234,8 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale(root, f".tmp-{PREFIX}*")
         tmp.mkdir()
-        try:
+        with safetensors_os_errors(tmp / "tensors.safetensors"):
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
-        except Exception as e:
-            io = as_os_error(e, tmp / "tensors.safetensors")
-            if io is None:
-                raise
-            raise io from e
         (tmp / "state.json").write_text(json.dumps({"step": step, **meta}), encoding="utf-8")
         files = {}
         for f in sorted(tmp.iterdir()):

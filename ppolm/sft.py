@@ -270,7 +270,8 @@ def save_model(model: Any, tok: Any, out: Path, merge: bool) -> None:
     tmp = out / f".tmp-model-{os.getpid()}"
     try:
         tmp.mkdir()
-        save_pretrained(model, tok, tmp)
+        with checkpoint.safetensors_os_errors(tmp):
+            save_pretrained(model, tok, tmp)
         files = sorted(f for f in tmp.iterdir() if f.is_file())
         for f in files:
             with open(f, "rb") as fh:

@@ -315,6 +315,26 @@ def test_disk_full_while_saving_keeps_previous_checkpoint(files, tmp_path, capsy
     assert [r["epoch"] for r in tracking.read_jsonl(out / "metrics.jsonl")] == [0, 1]
 
 
+def test_disk_full_while_saving_the_final_model_is_one_line(files, tmp_path, capsys, monkeypatch):
+    """The final model of sft (and reward, dpo: the same writer) fails the way safetensors reports a
+    full disk, with its own SafetensorError naming the OS error: one line, no traceback."""
+    import safetensors
+
+    import ppolm.models
+
+    def full_disk(model, tok, path):
+        raise safetensors.SafetensorError(f"Error while serializing: I/O error: {os.strerror(errno.ENOSPC)} "
+                                          f"(os error {errno.ENOSPC})")
+
+    monkeypatch.setattr(ppolm.models, "save_pretrained", full_disk)
+    assert main(args_for("sft", files, tmp_path / "run", epochs=1)) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "no space left on the device while writing the final model" in lines[0], err
+    assert "Traceback" not in err
+    assert not list((tmp_path / "run").glob(".tmp-model-*"))
+
+
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
                     reason="running as root: a read-only directory does not stop root from writing")
 def test_read_only_checkpoint_dir_is_one_line_and_keeps_the_checkpoint(files, tmp_path, capsys):
