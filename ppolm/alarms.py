@@ -144,8 +144,12 @@ def advantage_explosion(rows: Rows, *, factor: float = 10.0) -> Alarm | None:
 def value_not_learning(rows: Rows, *, min_steps: int = 6, window: int = 5) -> Alarm | None:
     """Value function not learning: after ``min_steps`` (6) steps, the mean of
     ``val/vf_explained_var`` over the last ``window`` (5) steps is still <= 0, i.e. the critic
-    predicts returns no better than a constant, so GAE's advantages are mostly noise."""
-    s = series(rows, "val/vf_explained_var")
+    predicts returns no better than a constant, so GAE's advantages are mostly noise. Batches whose
+    scores were all equal (``adv/tied`` 1: a rarely earned rule-based reward that nobody earned)
+    are left out: their returns differ only by the KL penalty, so the explained variance of those
+    tiny differences says nothing about the critic (it was -1 to -8 there while the batches with a
+    hit gave +0.1 to +0.4, bench/learning.py keyword)."""
+    s = series([r for r in rows if r.get("adv/tied") != 1.0], "val/vf_explained_var")
     if len(s) < min_steps:
         return None
     vals = [v for _, v in s]

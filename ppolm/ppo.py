@@ -117,7 +117,7 @@ class PPOTrainer:
         self.build_optimisers()
         k = cfg.kl
         floor = k.kl_coef if k.kl_coef_min is None else k.kl_coef_min  # (default: beta starts at its floor)
-        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, floor) if k.adaptive_kl
+        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, floor, k.kl_gain) if k.adaptive_kl
                        else core.FixedKLController(k.kl_coef))
         self.score_scale = core.RunningScale()
         self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
@@ -167,7 +167,8 @@ class PPOTrainer:
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
         self.critic_opt = self.critic_sched = None
         if self.critic_params:
-            self.critic_opt = torch.optim.AdamW(self.critic_params, lr=a.critic_lr, **adam)
+            critic_eps = a.adam_eps if a.critic_adam_eps is None else a.critic_adam_eps
+            self.critic_opt = torch.optim.AdamW(self.critic_params, lr=a.critic_lr, **{**adam, "eps": critic_eps})
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, decay)
 
     # ----------------------------------------------------------------------------------------
@@ -305,7 +306,7 @@ class PPOTrainer:
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
-        unit = 1.0
+        unit, tied = 1.0, False
         if a.advantage == "gae":
             if cfg.reward.score_scale != "none" and finite:
                 mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
@@ -325,6 +326,11 @@ class PPOTrainer:
             adv_var = distributed.masked_var(advantages, mask)
             if a.whiten_advantages:
                 advantages = distributed.masked_whiten(advantages, mask)
+            if finite:  # every score alike (over every process): no reward signal in this batch
+                hi, neg_lo = distributed.all_max_floats([float(scores.max()), -float(scores.min())])
+                tied = hi + neg_lo <= 1e-9 * max(1.0, abs(hi))
+                if tied and a.tied_scores == "zero":
+                    advantages = torch.zeros_like(advantages)
         else:
             # 5'. A critic-free estimator (--advantage): no values; returns are the advantages.
             rewards, non_score, advantages, adv_var = self.critic_free_advantages(scores, kl, beta, mask,
@@ -367,6 +373,8 @@ class PPOTrainer:
                                            times=(t_start, t_rollout, t_score, t_train))
         if a.advantage == "gae" and cfg.reward.score_scale != "none":
             metrics["objective/score_scale"] = unit
+        if a.advantage == "gae":
+            metrics["adv/tied"] = float(tied)
         samples = []
         if step % cfg.run.sample_every == 0 or step == a.steps - 1:
             kl_seq = kl.sum(1)

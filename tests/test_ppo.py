@@ -21,6 +21,10 @@ def words(prompts, completions, **kwargs):
     texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
     return [min(len(t.split()), 10) / 10 for t in texts]
 
+def nothing(prompts, completions, **kwargs):
+    """A reward no response earns."""
+    return [0.0] * len(completions)
+
 def seen(prompts, completions, answer, **kwargs):
     """Checks the TRL convention: one extra-column value per completion."""
     assert len(answer) == len(completions)
@@ -204,6 +208,51 @@ def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
     free = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "free", reward_file, kl_target=100.0, kl_horizon=10,
                               kl_coef_min=0.0)).metrics
     assert free[1]["objective/kl_coef"] == pytest.approx(free[0]["objective/kl_coef"] * (1 - 0.2 / 10))
+
+
+def test_tied_scores_give_the_policy_no_step(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
+    """--tied-scores zero: a batch whose scores are all equal (here a reward nobody earns) has
+    advantages 0, so the policy's weights stay exactly where they were (its Adam moments stay 0)
+    while the critic still learns; keep: the critic's error and the KL penalty, whitened, move
+    the policy. A batch whose scores differ trains the same under both."""
+    before = load_file(str(tiny_policy_dir / "model.safetensors"))
+    critic_before = load_file(str(tiny_rm_dir / "model.safetensors"))
+
+    def run(name: str, tied: str, fn: str):
+        # the critic starts from the reward model (its head scores the responses, not their
+        # returns of 0), which adds nothing to the score (weight 0)
+        rows = train_ppo(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=3, tied_scores=tied,
+                                  reward_fn=[f"{reward_file}:{fn}"], reward_model=[str(tiny_rm_dir)],
+                                  reward_model_weight=0.0)).metrics
+        return rows, load_file(str(tmp_path / name / "policy" / "model.safetensors")), \
+            load_file(str(tmp_path / name / "critic" / "model.safetensors"))
+
+    rows, policy, critic = run("zero", "zero", "nothing")
+    assert [r["adv/tied"] for r in rows] == [1.0, 1.0, 1.0]
+    assert all(torch.equal(before[k], policy[k]) for k in before)
+    assert not torch.equal(critic["score.weight"], critic_before["score.weight"])
+    _, kept, _ = run("keep", "keep", "nothing")
+    assert sum(not torch.equal(before[k], kept[k]) for k in before) > len(before) // 2
+    rows_z, varied_z, _ = run("varied-zero", "zero", "words")
+    rows_k, varied_k, _ = run("varied-keep", "keep", "words")
+    assert [r["adv/tied"] for r in rows_z] == [0.0, 0.0, 0.0]
+    assert all(torch.equal(varied_z[k], varied_k[k]) for k in varied_z)
+
+
+def test_critic_adam_eps_sets_the_critic_optimiser_only(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
+    """--critic-adam-eps gives the separate critic's AdamW its own epsilon (default: --adam-eps);
+    a non-positive one is refused before any model loads."""
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "a", reward_file, reward_model=[str(tiny_rm_dir)])
+    trainer = PPOTrainer(cfg)
+    assert [g["eps"] for g in trainer.actor_opt.param_groups] == [1e-5]
+    assert [g["eps"] for g in trainer.critic_opt.param_groups] == [1e-5]
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "b", reward_file, reward_model=[str(tiny_rm_dir)],
+                   critic_adam_eps=1e-8, adam_eps=1e-6)
+    trainer = PPOTrainer(cfg)
+    assert [g["eps"] for g in trainer.actor_opt.param_groups] == [1e-6]
+    assert [g["eps"] for g in trainer.critic_opt.param_groups] == [1e-8]
+    with pytest.raises(PPOLMError, match="--critic-adam-eps must be > 0"):
+        make_cfg(tiny_policy_dir, tmp_path / "c", reward_file, critic_adam_eps=0.0)
 
 
 def test_scaled_scores_make_the_kl_coefficient_independent_of_the_reward_scale(tiny_policy_dir, tmp_path,

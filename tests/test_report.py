@@ -90,6 +90,14 @@ def test_value_not_learning():
     assert a and a.name == "value_not_learning" and a.step == 7
     assert alarms.value_not_learning(rows(8, **{"val/vf_explained_var": lambda i: -0.5 + 0.15 * i})) is None
     assert alarms.value_not_learning(rows(4, **{"val/vf_explained_var": -1.0})) is None  # too early to say
+    # batches with all scores tied (adv/tied 1) do not count: here every third, at -3, would pull
+    # the mean of the last 5 below 0; without them it is 0.25 (and 6 rows are needed to judge)
+    tied = rows(18, **{"val/vf_explained_var": lambda i: -3.0 if i % 3 == 0 else 0.25,
+                       "adv/tied": lambda i: 1.0 if i % 3 == 0 else 0.0})
+    assert alarms.value_not_learning(tied) is None
+    assert alarms.value_not_learning([{k: v for k, v in r.items() if k != "adv/tied"} for r in tied]).name \
+        == "value_not_learning"
+    assert alarms.value_not_learning(tied[:8]) is None  # 5 untied rows: too early to say
 
 
 def eval_rows(gold, proxy, se=0.02):
