@@ -583,63 +583,38 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 class AdaptiveKLController:
     """Adaptive KL coefficient: steer the measured KL towards a target.
 
-    Integral part (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences",
-    sec. 2.2): error = clip(current_kl / target - 1, -0.2, 0.2);
-    integral = max(min_value, integral * (1 + error * n_steps / horizon)).
-
-    Optional proportional part (``gain`` > 0, 0 = Ziegler et al.'s controller):
-    value = max(min_value, integral * exp(gain * clip(current_kl / target - 1, -1, 1))), from the
-    last KL seen. Why: the integral part alone moves beta by at most 20 % an update, so from its
-    floor it takes ~13 updates to rise tenfold while the KL runs past its target, and as many to
-    come back down once the KL has fallen, holding the policy at the reference while the reward it
-    had learnt is lost (an integrator steering an integrating quantity overshoots). The
-    proportional part answers the current excess at once and leaves nothing behind when it goes.
-
-    ``min_value`` is a floor (0 = none, as published). It keeps the controller from winding down
-    while the KL sits below its target, as it does for the many updates a rare reward takes to be
-    found: without it beta decays toward 0 and the KL then runs far past its target before beta
-    has climbed back.
+    error = clip(current_kl / target - 1, -0.2, 0.2); value = max(min_value, value * (1 + error * n_steps / horizon)).
+    Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (sec. 2.2),
+    plus an optional floor ``min_value`` (0 = none, as published). The floor keeps the controller
+    from winding down while the KL sits below its target, as it does for the many updates a rare
+    reward takes to be found: without it beta decays toward 0 and the KL then runs far past its
+    target before beta has climbed back.
     """
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: float, min_value: float = 0.0,
-                 gain: float = 0.0) -> None:
+    def __init__(self, init_kl_coef: float, target: float, horizon: float, min_value: float = 0.0) -> None:
         if target <= 0 or horizon <= 0:
             raise ValueError(f"target and horizon must be > 0, got target={target}, horizon={horizon}")
-        if min_value < 0 or gain < 0:
-            raise ValueError(f"min_value and gain must be >= 0, got min_value={min_value}, gain={gain}")
-        self.integral: float = max(float(init_kl_coef), float(min_value))
+        if min_value < 0:
+            raise ValueError(f"min_value must be >= 0, got {min_value}")
+        self.value: float = max(float(init_kl_coef), float(min_value))
         self.target: float = float(target)
         self.horizon: float = float(horizon)
         self.min_value: float = float(min_value)
-        self.gain: float = float(gain)
-        self.excess: float = 0.0  # clip(last KL / target - 1, -1, 1): the proportional part's input
-
-    @property
-    def value(self) -> float:
-        """The coefficient of the next batch."""
-        if self.gain == 0.0:
-            return self.integral
-        return max(self.min_value, self.integral * math.exp(self.gain * self.excess))
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Move the coefficient after ``n_steps`` (in the horizon's unit: ppolm passes 1 per PPO
         update, Ziegler et al. the batch's sample count) with mean KL ``current_kl``."""
-        ratio = float(current_kl) / self.target - 1.0
-        error = min(max(ratio, -0.2), 0.2)
-        self.integral = max(self.min_value, self.integral * (1.0 + error * n_steps / self.horizon))
-        self.excess = min(max(ratio, -1.0), 1.0)
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value = max(self.min_value, self.value * (1.0 + error * n_steps / self.horizon))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"value": self.integral, "target": self.target, "horizon": self.horizon,
-                "min_value": self.min_value, "gain": self.gain, "excess": self.excess}
+        return {"value": self.value, "target": self.target, "horizon": self.horizon, "min_value": self.min_value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.integral = float(state["value"])  # (the integral part; checkpoints before the gain hold only it)
+        self.value = float(state["value"])
         self.target = float(state.get("target", self.target))
         self.horizon = float(state.get("horizon", self.horizon))
         self.min_value = float(state.get("min_value", self.min_value))
-        self.gain = float(state.get("gain", self.gain))
-        self.excess = float(state.get("excess", 0.0))
 
 
 class RunningScale:

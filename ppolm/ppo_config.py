@@ -160,8 +160,6 @@ class KLConfig:
     """Target KL (nats per response, summed over tokens) for the adaptive controller."""
     kl_coef_min: float | None = None
     """Floor of the adaptive coefficient: beta never falls below it. None = --kl-coef: beta starts at its floor, rises while the KL is above --kl-target and falls back, never below, while it is under. Without a floor (0, Ziegler et al.'s controller) beta winds down while the KL is still small, as it is for the many updates a rare reward takes to be found, and the KL then ran to 3x its target before beta had climbed back (bench/learning.py)."""
-    kl_gain: float = 0.0
-    """Proportional gain of the adaptive controller: beta is its integral part times exp(gain * clip(KL/target - 1, +-1)) from the last batch's KL, so a KL past its target raises beta at once and a KL back at its target drops that part at once (0 = the integral part alone, Ziegler et al.). See core.AdaptiveKLController."""
     kl_horizon: int = 1
     """Horizon of the adaptive controller, in PPO updates: each update moves beta by at most 20%/horizon (beta *= 1 + clip(KL/target - 1, +-0.2) / horizon). Ziegler et al. count it in samples (10000, with batches of 512: 1% per update); counted in samples it would barely move at the small batches of a laptop (8 rollouts: 0.02% per update), so ppolm counts updates. 1 (20% per update): in a run of 40 updates a slower controller (10: 2%) let the KL reach 3x its target before beta caught up (bench/learning.py)."""
 
@@ -253,7 +251,6 @@ class PPOConfig:
                  f"<= {FLOAT32_MAX:.3g} (typical: 1e-6 .. 1e-3)")
         need(a.adam_eps > 0 and a.max_grad_norm > 0, "--adam-eps and --max-grad-norm must be > 0")
         need(a.critic_adam_eps is None or a.critic_adam_eps > 0, f"--critic-adam-eps must be > 0; got {a.critic_adam_eps}")
-        need(k.kl_gain >= 0, f"--kl-gain must be >= 0; got {k.kl_gain}")
         need(k.kl_coef >= 0, f"--kl-coef must be >= 0; got {k.kl_coef}")
         need(k.kl_target > 0 and k.kl_horizon > 0, "--kl-target and --kl-horizon must be > 0")
         need(k.kl_coef_min is None or k.kl_coef_min >= 0, f"--kl-coef-min must be >= 0; got {k.kl_coef_min}")
