@@ -306,9 +306,9 @@ class PPOTrainer:
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
-        unit, tied = 1.0, False
+        unit, tied, unearned = 1.0, False, False
         if a.advantage == "gae":
-            if cfg.reward.score_scale != "none" and finite:
+            if finite:  # (also kept under --score-scale none: --tied-scores compares with its mean)
                 mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
                 self.score_scale.update(n, float(mean), float(var) * n)
             unit = core.score_unit(self.score_scale.std, cfg.reward.score_scale)
@@ -329,7 +329,11 @@ class PPOTrainer:
             if finite:  # every score alike (over every process): no reward signal in this batch
                 hi, neg_lo = distributed.all_max_floats([float(scores.max()), -float(scores.min())])
                 tied = hi + neg_lo <= 1e-9 * max(1.0, abs(hi))
-                if tied and a.tied_scores == "zero":
+                # ... and no better than the run's mean score: a reward nobody in the batch earned. A batch
+                # that all earned alike above it (a reward the policy has mastered) keeps its advantages:
+                # their KL penalty is then the batch's one signal, and it pulls the policy back.
+                unearned = tied and hi <= self.score_scale.mean + 1e-9 * max(1.0, abs(hi))
+                if unearned and a.tied_scores == "zero":
                     advantages = torch.zeros_like(advantages)
         else:
             # 5'. A critic-free estimator (--advantage): no values; returns are the advantages.
@@ -375,6 +379,7 @@ class PPOTrainer:
             metrics["objective/score_scale"] = unit
         if a.advantage == "gae":
             metrics["adv/tied"] = float(tied)
+            metrics["adv/unearned"] = float(unearned)
         samples = []
         if step % cfg.run.sample_every == 0 or step == a.steps - 1:
             kl_seq = kl.sum(1)

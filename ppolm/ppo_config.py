@@ -114,8 +114,8 @@ class AlgoConfig:
     """Critic learning rate (separate from the actor's; the seeds suggest ~5x the actor's)."""
     adam_eps: float = 1e-5
     """Adam epsilon (1e-5, the TF default of OpenAI's code; detail 16)."""
-    critic_adam_eps: float | None = None
-    """Adam epsilon of the separate critic's optimiser. None = --adam-eps."""
+    critic_adam_eps: float | None = 1e-8
+    """Adam epsilon of the separate critic's optimiser (None = --adam-eps). 1e-8 (PyTorch's default): on rewards in [0, 1] the critic's gradients are small (the median sqrt(v) of its Adam states was 2e-8 after 40 updates), so --adam-eps 1e-5 shrank its steps ~500x and its explained variance stayed below 0 (-1.6 over the last 10 of 40 updates on bench/learning.py's exclaim); at 1e-8 it learns (+0.2 to +0.9 in the updates with a signal) and, with --tied-scores zero, the dense rewards there learnt more per nat of KL (exclaim 0.61, 0.66 and 0.65 at KL <= 12 over 3 seeds, against 0.53, 0.53 and 0.48). The policy keeps 1e-5: 1e-8 on both lost reward on exclaim."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -126,8 +126,8 @@ class AlgoConfig:
     """Entropy bonus coefficient (0 = off)."""
     whiten_advantages: bool = True
     """Whiten advantages per batch over real tokens (OpenAI detail 12)."""
-    tied_scores: Literal["zero", "keep"] = "keep"
-    """--advantage gae, a batch whose scores are all equal (a rule-based reward that no response in it earned, or all alike): zero = its advantages are set to 0, so it adds no gradient to the policy (Adam's momentum from earlier batches still moves it; the critic still learns), as GRPO's per-prompt normalisation treats such a group; keep = PPO's usual advantages, which are then only the critic's error and the KL penalty, whitened to full size. adv/tied logs 1 for such a batch."""
+    tied_scores: Literal["zero", "keep"] = "zero"
+    """--advantage gae, a batch whose scores are all equal over every process and no higher than the run's mean score (a rule-based reward that no response in it earned), which says nothing about the reward: zero = its advantages are set to 0, so it adds no gradient to the policy (Adam's momentum from earlier batches still moves it; the critic still learns), as GRPO's per-prompt normalisation treats such a group; keep = PPO's usual advantages, which are then only the critic's error and the KL penalty, whitened to full size, so such batches spend the KL budget on noise (bench/learning.py: on a reward earned once in 200 samples, zero alone learnt about twice as much over 3 seeds; with the critic's --critic-adam-eps 1e-8 the runs in which a rare reward came late no longer fell below GRPO's within the KL target). A batch that all earned alike above the mean (a reward the policy has mastered) keeps its advantages under both: its KL penalty is then its one signal and pulls the policy back (zeroed, a word-budget reward earned by every response held the KL at twice its target for 10 updates and lost its reward when beta caught up). adv/tied logs 1 for a tied batch, adv/unearned 1 for a tied one at or below the mean (the batches zero acts on)."""
     target_kl: float | None = None
     """Stop the PPO epochs of a batch early once the approximate KL to the rollout policy exceeds this. None = off."""
     ptx_coef: float = 0.0

@@ -25,6 +25,13 @@ def nothing(prompts, completions, **kwargs):
     """A reward no response earns."""
     return [0.0] * len(completions)
 
+CALLS = []
+
+def mastered(prompts, completions, **kwargs):
+    """Every other response earns it in the first batch, every response afterwards."""
+    CALLS.append(len(completions))
+    return [float(i % 2) for i in range(len(completions))] if len(CALLS) == 1 else [1.0] * len(completions)
+
 def seen(prompts, completions, answer, **kwargs):
     """Checks the TRL convention: one extra-column value per completion."""
     assert len(answer) == len(completions)
@@ -211,10 +218,11 @@ def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
 
 
 def test_tied_scores_give_the_policy_no_step(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
-    """--tied-scores zero: a batch whose scores are all equal (here a reward nobody earns) has
-    advantages 0, so the policy's weights stay exactly where they were (its Adam moments stay 0)
-    while the critic still learns; keep: the critic's error and the KL penalty, whitened, move
-    the policy. A batch whose scores differ trains the same under both."""
+    """--tied-scores zero: a batch whose scores are all equal and no higher than the run's mean
+    score (here a reward nobody earns) has advantages 0, so the policy's weights stay exactly where
+    they were (its Adam moments stay 0) while the critic still learns; keep: the critic's error and
+    the KL penalty, whitened, move the policy. Batches whose scores differ, or tie above the mean,
+    train the same under both."""
     before = load_file(str(tiny_policy_dir / "model.safetensors"))
     critic_before = load_file(str(tiny_rm_dir / "model.safetensors"))
 
@@ -228,29 +236,33 @@ def test_tied_scores_give_the_policy_no_step(tiny_policy_dir, tiny_rm_dir, tmp_p
             load_file(str(tmp_path / name / "critic" / "model.safetensors"))
 
     rows, policy, critic = run("zero", "zero", "nothing")
-    assert [r["adv/tied"] for r in rows] == [1.0, 1.0, 1.0]
+    assert [r["adv/tied"] for r in rows] == [1.0, 1.0, 1.0] and [r["adv/unearned"] for r in rows] == [1.0] * 3
     assert all(torch.equal(before[k], policy[k]) for k in before)
     assert not torch.equal(critic["score.weight"], critic_before["score.weight"])
     _, kept, _ = run("keep", "keep", "nothing")
     assert sum(not torch.equal(before[k], kept[k]) for k in before) > len(before) // 2
-    rows_z, varied_z, _ = run("varied-zero", "zero", "words")
-    rows_k, varied_k, _ = run("varied-keep", "keep", "words")
-    assert [r["adv/tied"] for r in rows_z] == [0.0, 0.0, 0.0]
-    assert all(torch.equal(varied_z[k], varied_k[k]) for k in varied_z)
+    # Scores 0, 1, 0, 1 (mean 0.5), then all 1: tied from the second batch on, but above the run's
+    # mean score (0.75, then 0.83): earned alike, so their KL penalty still trains the policy and
+    # zero trains exactly as keep.
+    rows_z, mastered_z, _ = run("mastered-zero", "zero", "mastered")
+    rows_k, mastered_k, _ = run("mastered-keep", "keep", "mastered")
+    assert [r["adv/tied"] for r in rows_z] == [0.0, 1.0, 1.0] and [r["adv/unearned"] for r in rows_z] == [0.0] * 3
+    assert all(torch.equal(mastered_z[k], mastered_k[k]) for k in mastered_z)
 
 
 def test_critic_adam_eps_sets_the_critic_optimiser_only(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
-    """--critic-adam-eps gives the separate critic's AdamW its own epsilon (default: --adam-eps);
-    a non-positive one is refused before any model loads."""
+    """--critic-adam-eps gives the separate critic's AdamW its own epsilon (default 1e-8, the
+    policy's --adam-eps 1e-5; None: the policy's); a non-positive one is refused before any model
+    loads."""
     cfg = make_cfg(tiny_policy_dir, tmp_path / "a", reward_file, reward_model=[str(tiny_rm_dir)])
     trainer = PPOTrainer(cfg)
     assert [g["eps"] for g in trainer.actor_opt.param_groups] == [1e-5]
-    assert [g["eps"] for g in trainer.critic_opt.param_groups] == [1e-5]
+    assert [g["eps"] for g in trainer.critic_opt.param_groups] == [1e-8]
     cfg = make_cfg(tiny_policy_dir, tmp_path / "b", reward_file, reward_model=[str(tiny_rm_dir)],
-                   critic_adam_eps=1e-8, adam_eps=1e-6)
+                   critic_adam_eps=None, adam_eps=1e-6)
     trainer = PPOTrainer(cfg)
     assert [g["eps"] for g in trainer.actor_opt.param_groups] == [1e-6]
-    assert [g["eps"] for g in trainer.critic_opt.param_groups] == [1e-8]
+    assert [g["eps"] for g in trainer.critic_opt.param_groups] == [1e-6]
     with pytest.raises(PPOLMError, match="--critic-adam-eps must be > 0"):
         make_cfg(tiny_policy_dir, tmp_path / "c", reward_file, critic_adam_eps=0.0)
 
