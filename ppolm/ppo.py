@@ -167,8 +167,8 @@ class PPOTrainer:
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
         self.critic_opt = self.critic_sched = None
         if self.critic_params:
-            critic_eps = a.adam_eps if a.critic_adam_eps is None else a.critic_adam_eps
-            self.critic_opt = torch.optim.AdamW(self.critic_params, lr=a.critic_lr, **{**adam, "eps": critic_eps})
+            eps = a.adam_eps if a.critic_adam_eps is None else a.critic_adam_eps
+            self.critic_opt = torch.optim.AdamW(self.critic_params, lr=a.critic_lr, **dict(adam, eps=eps))
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, decay)
 
     # ----------------------------------------------------------------------------------------
