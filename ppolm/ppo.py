@@ -357,11 +357,16 @@ class PPOTrainer:
         skipped += 0 if finite else 1
         t_train = time.perf_counter()
 
-        # 7. Adapt the KL coefficient once per batch, only after an update (a skipped one leaves the
-        #    policy, hence the KL it is steering, where it was); advance the learning-rate schedules.
+        # 7. Adapt the KL coefficient once per batch, only after an update in which beta acted: a
+        #    skipped update leaves the policy, hence the KL it is steering, where it was, and a batch
+        #    whose advantages --tied-scores zeroed gave beta's penalty no gradient either. (Counted,
+        #    a stretch of such batches wound beta up 20 % a batch while nothing could respond: on a
+        #    rare reward, from 0.01 to 1.2 over 35 batches, whose first hit was then all penalty.)
+        #    Then advance the learning-rate schedules.
         kl_sum, rows = distributed.all_sum_floats([kl.sum().item(), kl.shape[0]])
         mean_kl = kl_sum / rows  # over every process's rows: beta stays the same everywhere
-        if not skipped and math.isfinite(mean_kl):
+        zeroed = unearned and a.tied_scores == "zero"
+        if not skipped and not zeroed and math.isfinite(mean_kl):
             self.kl_ctl.update(mean_kl, 1)  # one PPO update: --kl-horizon counts updates
         lr = self.actor_sched.get_last_lr()[0]
         critic_lr = self.critic_sched.get_last_lr()[0] if self.critic_sched is not None else None

@@ -221,8 +221,9 @@ def test_tied_scores_give_the_policy_no_step(tiny_policy_dir, tiny_rm_dir, tmp_p
     """--tied-scores zero: a batch whose scores are all equal and no higher than the run's mean
     score (here a reward nobody earns) has advantages 0, so the policy's weights stay exactly where
     they were (its Adam moments stay 0) while the critic still learns; keep: the critic's error and
-    the KL penalty, whitened, move the policy. Batches whose scores differ, or tie above the mean,
-    train the same under both."""
+    the KL penalty, whitened, move the policy. A zeroed batch leaves the KL controller's beta where
+    it was (its penalty had no gradient to act through), here below the target where it would fall.
+    Batches whose scores differ, or tie above the mean, train the same under both."""
     before = load_file(str(tiny_policy_dir / "model.safetensors"))
     critic_before = load_file(str(tiny_rm_dir / "model.safetensors"))
 
@@ -231,7 +232,7 @@ def test_tied_scores_give_the_policy_no_step(tiny_policy_dir, tiny_rm_dir, tmp_p
         # returns of 0), which adds nothing to the score (weight 0)
         rows = train_ppo(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=3, tied_scores=tied,
                                   reward_fn=[f"{reward_file}:{fn}"], reward_model=[str(tiny_rm_dir)],
-                                  reward_model_weight=0.0)).metrics
+                                  reward_model_weight=0.0, kl_coef_min=0.001)).metrics
         return rows, load_file(str(tmp_path / name / "policy" / "model.safetensors")), \
             load_file(str(tmp_path / name / "critic" / "model.safetensors"))
 
@@ -239,8 +240,10 @@ def test_tied_scores_give_the_policy_no_step(tiny_policy_dir, tiny_rm_dir, tmp_p
     assert [r["adv/tied"] for r in rows] == [1.0, 1.0, 1.0] and [r["adv/unearned"] for r in rows] == [1.0] * 3
     assert all(torch.equal(before[k], policy[k]) for k in before)
     assert not torch.equal(critic["score.weight"], critic_before["score.weight"])
-    _, kept, _ = run("keep", "keep", "nothing")
+    assert [r["objective/kl_coef"] for r in rows] == [0.01] * 3  # KL 0 < target: beta would fall
+    rows_k, kept, _ = run("keep", "keep", "nothing")
     assert sum(not torch.equal(before[k], kept[k]) for k in before) > len(before) // 2
+    assert [r["objective/kl_coef"] for r in rows_k] == pytest.approx([0.01, 0.008, 0.0064])  # x (1 - 0.2)
     # Scores 0, 1, 0, 1 (mean 0.5), then all 1: tied from the second batch on, but above the run's
     # mean score (0.75, then 0.83): earned alike, so their KL penalty still trains the policy and
     # zero trains exactly as keep.
