@@ -306,7 +306,7 @@ class PPOTrainer:
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
-        unit, tied, unearned = 1.0, False, False
+        unit, tied, unearned, zeroed = 1.0, False, False, False
         if a.advantage == "gae":
             if finite:  # (also kept under --score-scale none: --tied-scores compares with its mean)
                 mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
@@ -333,7 +333,8 @@ class PPOTrainer:
                 # that all earned alike above it (a reward the policy has mastered) keeps its advantages:
                 # their KL penalty is then the batch's one signal, and it pulls the policy back.
                 unearned = tied and hi <= self.score_scale.mean + 1e-9 * max(1.0, abs(hi))
-                if unearned and a.tied_scores == "zero":
+                zeroed = unearned and a.tied_scores == "zero"
+                if zeroed:
                     advantages = torch.zeros_like(advantages)
         else:
             # 5'. A critic-free estimator (--advantage): no values; returns are the advantages.
@@ -359,13 +360,11 @@ class PPOTrainer:
 
         # 7. Adapt the KL coefficient once per batch, only after an update in which beta acted: a
         #    skipped update leaves the policy, hence the KL it is steering, where it was, and a batch
-        #    whose advantages --tied-scores zeroed gave beta's penalty no gradient either. (Counted,
-        #    a stretch of such batches wound beta up 20 % a batch while nothing could respond: on a
-        #    rare reward, from 0.01 to 1.2 over 35 batches, whose first hit was then all penalty.)
+        #    whose advantages --tied-scores zeroed gave beta's penalty no gradient either (counting
+        #    them, a long stretch of a rare reward would wind beta up while nothing could respond).
         #    Then advance the learning-rate schedules.
         kl_sum, rows = distributed.all_sum_floats([kl.sum().item(), kl.shape[0]])
         mean_kl = kl_sum / rows  # over every process's rows: beta stays the same everywhere
-        zeroed = unearned and a.tied_scores == "zero"
         if not skipped and not zeroed and math.isfinite(mean_kl):
             self.kl_ctl.update(mean_kl, 1)  # one PPO update: --kl-horizon counts updates
         lr = self.actor_sched.get_last_lr()[0]
