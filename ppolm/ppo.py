@@ -323,6 +323,8 @@ class PPOTrainer:
             # 5. Advantages by GAE (gamma, lambda); returns = advantages + values; whitened per batch.
             old_values = old_values * mask
             advantages, returns = core.gae(rewards, old_values, mask, a.gamma, a.lam)  # (B, R)
+            if a.critic_lam is not None and a.critic_lam != a.lam:  # decoupled GAE: the critic's own lambda
+                _, returns = core.gae(rewards, old_values, mask, a.gamma, a.critic_lam)
             adv_var = distributed.masked_var(advantages, mask)
             if a.whiten_advantages:
                 advantages = distributed.masked_whiten(advantages, mask)

@@ -107,7 +107,9 @@ class AlgoConfig:
     gamma: float = 1.0
     """GAE discount."""
     lam: float = 0.95
-    """GAE lambda."""
+    """GAE lambda of the policy's advantages."""
+    critic_lam: float | None = None
+    """GAE lambda of the critic's value targets (returns = GAE(this) + values); None = --lam. 1 gives the critic the plain return still to come, whatever it predicts now (decoupled GAE, Yuan et al. 2025, arXiv:2503.01491): with --lam below 1 its targets lean on its own, still untrained values, so a reward that arrives only at the last token reaches the values of early tokens slowly."""
     actor_lr: float = 2e-5
     """Policy learning rate (full fine-tuning of a ~100M model at 8 rollouts per batch; LoRA wants ~10x more)."""
     critic_lr: float = 1e-4
@@ -245,6 +247,7 @@ class PPOConfig:
         need(0 < a.clip_eps < 1, f"--clip-eps must be in (0, 1); got {a.clip_eps}")
         need(a.vf_clip > 0, f"--vf-clip must be > 0; got {a.vf_clip}")
         need(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "--gamma and --lam must be in [0, 1]")
+        need(a.critic_lam is None or 0 <= a.critic_lam <= 1, "--critic-lam must be in [0, 1] (or none: --lam)")
         need(a.actor_lr > 0 and a.critic_lr > 0, "--actor-lr and --critic-lr must be > 0")
         for name, lr in (("actor-lr", a.actor_lr), ("critic-lr", a.critic_lr)):
             need(lr <= FLOAT32_MAX, f"--{name} {lr:g} is too large for float32 (the optimiser's type); use a value "

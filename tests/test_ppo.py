@@ -452,3 +452,31 @@ def test_prompt_order_is_unchanged_and_draws_each_permutation_once(monkeypatch):
     rows = [big.indices(s, 8) for s in range(100)]
     assert calls == [100_000]  # one permutation for the pass, not one per row (800)
     assert len({i for r in rows for i in r}) == 800  # a permutation: no prompt twice within a pass
+
+
+def test_critic_lam_sets_the_value_targets_only(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
+    """--critic-lam 1 (decoupled GAE): the critic's targets are the rewards still to come (gamma 1),
+    whatever the critic predicts, while the policy's advantages keep --lam 0.95; the recorded
+    experience is the trainer's own, checked against core.gae and a hand-written reward-to-go."""
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "a", reward_file, reward_model=[str(tiny_rm_dir)],
+                   reward_model_weight=0.0, critic_lam=1.0, whiten_advantages=False, steps=1)
+    trainer = PPOTrainer(cfg)
+    seen = []
+    real_update = trainer.update
+
+    def recording_update(exp, *args, **kwargs):
+        seen.append(exp)
+        return real_update(exp, *args, **kwargs)
+
+    trainer.update = recording_update
+    trainer.step(0)
+    exp = seen[0]
+    m = exp.mask.float()
+    assert float(exp.values.abs().sum()) > 0  # a critic whose values are not 0: lambda matters
+    to_go = torch.flip(torch.cumsum(torch.flip(exp.rewards.float() * m, [1]), 1), [1]) * m
+    torch.testing.assert_close(exp.returns, to_go, atol=1e-5, rtol=0)
+    adv, ret = core.gae(exp.rewards, exp.values, exp.mask, 1.0, 0.95)
+    torch.testing.assert_close(exp.advantages, adv)
+    assert float((ret - exp.returns).abs().max()) > 1e-3  # lambda 0.95 targets would differ
+    with pytest.raises(PPOLMError, match="--critic-lam must be in"):
+        make_cfg(tiny_policy_dir, tmp_path / "b", reward_file, critic_lam=1.5)
