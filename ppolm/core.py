@@ -583,7 +583,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 class AdaptiveKLController:
     """Adaptive KL coefficient: steer the measured KL towards a target.
 
-    error = clip(current_kl / target - 1, -0.2, 0.2); value = max(min_value, value * (1 + error * n_steps / horizon)).
+    error = clip(current_kl / target - 1, -c, c); value = max(min_value, value * (1 + error * n_steps / horizon)),
+    with c = ``error_clip`` (0.2, as published).
     Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (sec. 2.2),
     plus an optional floor ``min_value`` (0 = none, as published). The floor keeps the controller
     from winding down while the KL sits below its target, as it does for the many updates a rare
@@ -591,30 +592,35 @@ class AdaptiveKLController:
     target before beta has climbed back.
     """
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: float, min_value: float = 0.0) -> None:
-        if target <= 0 or horizon <= 0:
-            raise ValueError(f"target and horizon must be > 0, got target={target}, horizon={horizon}")
+    def __init__(self, init_kl_coef: float, target: float, horizon: float, min_value: float = 0.0,
+                 error_clip: float = 0.2) -> None:
+        if target <= 0 or horizon <= 0 or not 0 < error_clip < 1:
+            raise ValueError(f"target and horizon must be > 0 and error_clip in (0, 1), got target={target}, "
+                             f"horizon={horizon}, error_clip={error_clip}")
         if min_value < 0:
             raise ValueError(f"min_value must be >= 0, got {min_value}")
         self.value: float = max(float(init_kl_coef), float(min_value))
         self.target: float = float(target)
         self.horizon: float = float(horizon)
         self.min_value: float = float(min_value)
+        self.error_clip: float = float(error_clip)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Move the coefficient after ``n_steps`` (in the horizon's unit: ppolm passes 1 per PPO
         update, Ziegler et al. the batch's sample count) with mean KL ``current_kl``."""
-        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        error = min(max(float(current_kl) / self.target - 1.0, -self.error_clip), self.error_clip)
         self.value = max(self.min_value, self.value * (1.0 + error * n_steps / self.horizon))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "target": self.target, "horizon": self.horizon, "min_value": self.min_value}
+        return {"value": self.value, "target": self.target, "horizon": self.horizon, "min_value": self.min_value,
+                "error_clip": self.error_clip}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.value = float(state["value"])
         self.target = float(state.get("target", self.target))
         self.horizon = float(state.get("horizon", self.horizon))
         self.min_value = float(state.get("min_value", self.min_value))
+        self.error_clip = float(state.get("error_clip", self.error_clip))
 
 
 class RunningScale:

@@ -162,6 +162,8 @@ class KLConfig:
     """Target KL (nats per response, summed over tokens) for the adaptive controller."""
     kl_coef_min: float | None = None
     """Floor of the adaptive coefficient: beta never falls below it. None = --kl-coef: beta starts at its floor, rises while the KL is above --kl-target and falls back, never below, while it is under. Without a floor (0, Ziegler et al.'s controller) beta winds down while the KL is still small, as it is for the many updates a rare reward takes to be found, and the KL then ran to 3x its target before beta had climbed back (bench/learning.py)."""
+    kl_error_clip: float = 0.2
+    """The adaptive controller's largest relative step per horizon: beta *= 1 + clip(KL/target - 1, +-this) / --kl-horizon (0.2, Ziegler et al. 2019's; in (0, 1))."""
     kl_horizon: int = 1
     """Horizon of the adaptive controller, in PPO updates: each update moves beta by at most 20%/horizon (beta *= 1 + clip(KL/target - 1, +-0.2) / horizon). Ziegler et al. count it in samples (10000, with batches of 512: 1% per update); counted in samples it would barely move at the small batches of a laptop (8 rollouts: 0.02% per update), so ppolm counts updates. 1 (20% per update): in a run of 40 updates a slower controller (10: 2%) let the KL reach 3x its target before beta caught up (bench/learning.py)."""
 
@@ -256,6 +258,7 @@ class PPOConfig:
         need(a.critic_adam_eps is None or a.critic_adam_eps > 0, f"--critic-adam-eps must be > 0; got {a.critic_adam_eps}")
         need(k.kl_coef >= 0, f"--kl-coef must be >= 0; got {k.kl_coef}")
         need(k.kl_target > 0 and k.kl_horizon > 0, "--kl-target and --kl-horizon must be > 0")
+        need(0 < k.kl_error_clip < 1, f"--kl-error-clip must be in (0, 1); got {k.kl_error_clip}")
         need(k.kl_coef_min is None or k.kl_coef_min >= 0, f"--kl-coef-min must be >= 0; got {k.kl_coef_min}")
         need(self.model.critic_layers >= 0, f"--critic-layers must be >= 0; got {self.model.critic_layers}")
         need(self.model.lora_r >= 0, f"--lora-r must be >= 0; got {self.model.lora_r}")

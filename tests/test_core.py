@@ -608,6 +608,21 @@ def test_adaptive_kl_controller_floor() -> None:
         AdaptiveKLController(0.05, target=6.0, horizon=1, min_value=-1.0)
 
 
+def test_adaptive_kl_controller_error_clip() -> None:
+    # error_clip 0.5, horizon 1: KL 12 (error 1) -> x 1.5: 0.1 -> 0.15; KL 9 (error 0.5, at the clip)
+    # -> 0.225; KL 0 (error -1) -> x 0.5: 0.1125; KL 4.5 (error -0.25, inside) -> 0.084375.
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=1, error_clip=0.5)
+    for kl, want in ((12.0, 0.15), (9.0, 0.225), (0.0, 0.1125), (4.5, 0.084375)):
+        ctl.update(kl, 1)
+        close(ctl.value, want, atol=1e-12)
+    restored = AdaptiveKLController(0.1, target=6.0, horizon=1)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.error_clip == 0.5
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="error_clip"):
+            AdaptiveKLController(0.1, target=6.0, horizon=1, error_clip=bad)
+
+
 def test_kl_controllers_state_dict_roundtrip_and_fixed() -> None:
     ctl = AdaptiveKLController(0.1, target=6.0, horizon=10000)
     ctl.update(12.0, 256)

@@ -255,12 +255,15 @@ def test_tied_scores_give_the_policy_no_step(tiny_policy_dir, tiny_rm_dir, tmp_p
 
 def test_critic_adam_eps_sets_the_critic_optimiser_only(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
     """--critic-adam-eps gives the separate critic's AdamW its own epsilon (default 1e-8, the
-    policy's --adam-eps 1e-5; None: the policy's); a non-positive one is refused before any model
-    loads."""
+    policy's --adam-eps 1e-5; None: the policy's), each optimiser its own learning rate; a
+    non-positive epsilon is refused before any model loads."""
     cfg = make_cfg(tiny_policy_dir, tmp_path / "a", reward_file, reward_model=[str(tiny_rm_dir)])
     trainer = PPOTrainer(cfg)
     assert [g["eps"] for g in trainer.actor_opt.param_groups] == [1e-5]
     assert [g["eps"] for g in trainer.critic_opt.param_groups] == [1e-8]
+    # ... beside their own learning rates (--actor-lr 2e-5, --critic-lr 1e-4)
+    assert [g["lr"] for g in trainer.actor_opt.param_groups] == [2e-5]
+    assert [g["lr"] for g in trainer.critic_opt.param_groups] == [1e-4]
     cfg = make_cfg(tiny_policy_dir, tmp_path / "b", reward_file, reward_model=[str(tiny_rm_dir)],
                    critic_adam_eps=None, adam_eps=1e-6)
     trainer = PPOTrainer(cfg)
