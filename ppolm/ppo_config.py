@@ -142,8 +142,8 @@ class AlgoConfig:
     """Responses sampled per prompt (G): a step takes --batch-size / G prompts, each sampled G times, the G responses of a prompt adjacent and forming one group. Minibatches may split a group (the advantages are computed on the whole batch first). Default: 4 for the group estimators (grpo, dr-grpo, rloo, reinforce++-baseline), 1 otherwise."""
     loss_agg: Literal["auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "auto"
     """How the per-token policy loss is reduced: token-mean (each token weighs the same), seq-mean-token-sum, seq-mean-token-mean (GRPO as published), seq-mean-token-sum-norm (token sum / (rows * --response-length), Dr. GRPO). auto: seq-mean-token-sum-norm for dr-grpo, token-mean otherwise."""
-    clip_eps_high: float | None = None
-    """Upper clip range of the ratio, 1 + this (clip-higher, DAPO uses 0.28 with --clip-eps 0.2). None = --clip-eps (symmetric)."""
+    clip_eps_high: float | None = 0.28
+    """Upper clip range of the ratio, 1 + this, above the lower 1 - --clip-eps (clip-higher, Yu et al. 2025, DAPO, arXiv:2503.14476); None = --clip-eps (symmetric, PPO as published). 0.28 (DAPO's): the upper clip bounds a token's rise per batch to about p * eps, tiny for a rewarded token the policy rarely samples (small p), while the lower clip still bounds how far a penalised token falls; in bench/learning.py (2 epochs a batch) it learnt more of a rarely earned keyword reward and of a question format within the KL target, and as much of two dense rewards (README, "Learning benchmark")."""
     dual_clip: float | None = None
     """Dual-clip constant C > 1: where the advantage is negative the policy loss is capped at -C * A (Ye et al. 2020; 3 is common). None = off."""
 
