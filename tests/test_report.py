@@ -157,7 +157,9 @@ def tiny_run(tiny_policy_dir, tiny_rm_dir, tmp_path_factory):
 
 
 def test_ppo_warns_live_and_records_alarms(tiny_policy_dir, tmp_path, capfd):
-    # a KL target far below what any update produces: KL runs away within the first steps
+    # a KL target far below what any update produces: KL runs away within the first steps. The k3
+    # estimate is never negative and is positive once the policy has moved; k1's, over 4 responses
+    # of 8 tokens, can land near 0 on a step whose samples both models happen to rate alike.
     from ppolm import config
     from ppolm.ppo import train_ppo
     from ppolm.ppo_config import PPOConfig
@@ -165,7 +167,7 @@ def test_ppo_warns_live_and_records_alarms(tiny_policy_dir, tmp_path, capfd):
     cfg = config.build(PPOConfig, dict(
         model=str(tiny_policy_dir), reward_fn=["ppolm.builtin_rewards:positive_sentiment"], steps=5, batch_size=4,
         ppo_epochs=4, response_length=8, output_dir=str(tmp_path / "run"), quiet=True, precision="fp32",
-        actor_lr=1e-2, kl_target=1e-4, save_every=10, temperature=0.7))
+        actor_lr=1e-2, kl_target=1e-4, save_every=10, temperature=0.7, kl_estimator="k3"))
     result = train_ppo(cfg)
     fired = [r["step"] for r in result.metrics if r.get("alarm/kl_runaway") == 1.0]
     assert len(fired) == 1
