@@ -165,7 +165,7 @@ class KLConfig:
     kl_error_clip: float = 0.2
     """The adaptive controller's largest relative step per horizon: beta *= 1 + clip(KL/target - 1, +-this) / --kl-horizon (0.2, Ziegler et al. 2019's; in (0, 1))."""
     kl_horizon: int = 1
-    """Horizon of the adaptive controller, in PPO updates: each update moves beta by at most 20%/horizon (beta *= 1 + clip(KL/target - 1, +-0.2) / horizon). Ziegler et al. count it in samples (10000, with batches of 512: 1% per update); counted in samples it would barely move at the small batches of a laptop (8 rollouts: 0.02% per update), so ppolm counts updates. 1 (20% per update): in a run of 40 updates a slower controller (10: 2%) let the KL reach 3x its target before beta caught up (bench/learning.py)."""
+    """Horizon of the adaptive controller, in PPO updates: each update moves beta by at most --kl-error-clip (20%)/horizon (beta *= 1 + clip(KL/target - 1, +-0.2) / horizon). Ziegler et al. count it in samples (10000, with batches of 512: 1% per update); counted in samples it would barely move at the small batches of a laptop (8 rollouts: 0.02% per update), so ppolm counts updates. 1 (20% per update): in a run of 40 updates a slower controller (10: 2%) let the KL reach 3x its target before beta caught up (bench/learning.py)."""
 
 
 @dataclass
@@ -249,7 +249,7 @@ class PPOConfig:
         need(0 < a.clip_eps < 1, f"--clip-eps must be in (0, 1); got {a.clip_eps}")
         need(a.vf_clip > 0, f"--vf-clip must be > 0; got {a.vf_clip}")
         need(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, "--gamma and --lam must be in [0, 1]")
-        need(a.critic_lam is None or 0 <= a.critic_lam <= 1, "--critic-lam must be in [0, 1] (or none: --lam)")
+        need(a.critic_lam is None or 0 <= a.critic_lam <= 1, f"--critic-lam must be in [0, 1] (or none: --lam); got {a.critic_lam}")
         need(a.actor_lr > 0 and a.critic_lr > 0, "--actor-lr and --critic-lr must be > 0")
         for name, lr in (("actor-lr", a.actor_lr), ("critic-lr", a.critic_lr)):
             need(lr <= FLOAT32_MAX, f"--{name} {lr:g} is too large for float32 (the optimiser's type); use a value "
