@@ -78,11 +78,21 @@ def test_kl_runaway():
 
 
 def test_advantage_explosion():
-    a = alarms.advantage_explosion(rows(8, **{"adv/var": [0.5, 0.5, 0.5, 0.6, 0.7, 9.0, 0.5, 0.5]}))
-    assert a and a.step == 5
-    assert alarms.advantage_explosion(rows(8, **{"adv/var": lambda i: 0.5 + 0.2 * i})) is None
+    # baseline 0.5 (first 3 steps); rolling means of 3 from step 5: (0.6 + 0.7 + 40) / 3 = 13.77 < 15,
+    # then (0.7 + 40 + 40) / 3 = 26.9 > 30 * 0.5 = 15 at step 6
+    a = alarms.advantage_explosion(rows(9, **{"adv/var": [0.5, 0.5, 0.5, 0.6, 0.7, 40.0, 40.0, 0.5, 0.5]}))
+    assert a and a.step == 6 and a.values["adv_var"] == pytest.approx(80.7 / 3)
+    # one batch at 40 (80x) is not an explosion: the rolling mean peaks at (0.6 + 0.7 + 40) / 3 < 15
+    assert alarms.advantage_explosion(rows(9, **{"adv/var": [0.5, 0.5, 0.5, 0.6, 0.7, 40.0, 0.5, 0.5, 0.5]})) is None
+    # steady growth to 10x, as a rising beta gives: quiet
+    assert alarms.advantage_explosion(rows(12, **{"adv/var": lambda i: 0.5 + 0.5 * i})) is None
     inf = alarms.advantage_explosion(rows(4, **{"adv/var": [0.5, "inf", 0.5, 0.5]}))
     assert inf and inf.step == 1
+    # a rare reward: three unearned batches (KL penalty only, 2e-4) then hits at 0.03: quiet, as
+    # the tied batches make no baseline; counting them, the first hits would be 150x it
+    rare = rows(10, **{"adv/var": lambda i: 2e-4 if i < 3 else 0.03, "adv/tied": lambda i: 1.0 if i < 3 else 0.0})
+    assert alarms.advantage_explosion(rare) is None
+    assert alarms.advantage_explosion([{k: v for k, v in r.items() if k != "adv/tied"} for r in rare]).step == 5
 
 
 def test_value_not_learning():
