@@ -253,6 +253,10 @@ def test_resume_refuses_other_steps_under_a_linear_schedule(micro_dir, reward_fi
     out = tmp_path / "run"
     assert main(ppo_args(micro_dir, reward_file, out, steps=2)) == 0  # ppo_args: --lr-schedule linear
     capsys.readouterr()
+    # each step's learning rate is the base one times 1 - step / steps (2e-5 and the critic's 1e-4 by
+    # default): full at step 0, half at step 1
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["lr"], r["lr/critic"]) for r in rows] == [pytest.approx((2e-5, 1e-4)), pytest.approx((1e-5, 5e-5))]
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert main(ppo_args(micro_dir, reward_file, out, steps=3, extra=["--resume"])) == 2
     err = capsys.readouterr().err
