@@ -119,16 +119,18 @@ def kl_runaway(rows: Rows, *, target: float | None = None, factor: float = 2.0, 
     return None
 
 
-def advantage_explosion(rows: Rows, *, factor: float = 30.0, window: int = 3) -> Alarm | None:
+def advantage_explosion(rows: Rows, *, factor: float = 100.0, window: int = 3) -> Alarm | None:
     """Advantage variance exploding: the rolling mean (``window`` steps) of ``adv/var`` (before
-    whitening) above ``factor`` (30) x its mean over the first 3 steps, or a value not finite.
+    whitening) above ``factor`` (100) x its mean over the first 3 steps, or a value not finite.
     Usually a reward scale problem or a critic that diverged; the whitened update hides it, so
     only this metric shows it. Batches whose scores all tied (``adv/tied`` 1: nobody earned a rare
     reward, or everybody earned a mastered one) are left out: their variance is the KL penalty's
     alone, a few 1e-4 before the first hit, so a first hit measured against them read as a 20x
     "explosion" (bench/learning.py). The factor leaves room for the growth a working run shows:
-    the KL penalty's share rises with the KL and with beta, which the adaptive controller may raise
-    10-20x from its floor (healthy runs there peaked at 10-18x their start over 3 steps)."""
+    the KL penalty's part grows with the KL and with beta squared, and the adaptive controller may
+    raise beta 10-20x from its floor (runs there whose beta stayed below 0.25 peaked at up to 38x
+    their start over 3 steps; the three whose beta wound up past 0.5 passed 100x); a diverging
+    critic or a reward whose scale runs away grows by orders of magnitude."""
     raw = [(int(r.get("step", i)), r.get("adv/var")) for i, r in enumerate(rows)]
     for step, v in raw:
         if v in ("inf", "-inf"):

@@ -78,12 +78,12 @@ def test_kl_runaway():
 
 
 def test_advantage_explosion():
-    # baseline 0.5 (first 3 steps); rolling means of 3 from step 5: (0.6 + 0.7 + 40) / 3 = 13.77 < 15,
-    # then (0.7 + 40 + 40) / 3 = 26.9 > 30 * 0.5 = 15 at step 6
-    a = alarms.advantage_explosion(rows(9, **{"adv/var": [0.5, 0.5, 0.5, 0.6, 0.7, 40.0, 40.0, 0.5, 0.5]}))
-    assert a and a.step == 6 and a.values["adv_var"] == pytest.approx(80.7 / 3)
-    # one batch at 40 (80x) is not an explosion: the rolling mean peaks at (0.6 + 0.7 + 40) / 3 < 15
-    assert alarms.advantage_explosion(rows(9, **{"adv/var": [0.5, 0.5, 0.5, 0.6, 0.7, 40.0, 0.5, 0.5, 0.5]})) is None
+    # baseline 0.5 (first 3 steps); rolling means of 3 from step 5: (0.6 + 0.7 + 140) / 3 = 47.1 < 50,
+    # then (0.7 + 140 + 140) / 3 = 93.6 > 100 * 0.5 = 50 at step 6
+    a = alarms.advantage_explosion(rows(9, **{"adv/var": [0.5, 0.5, 0.5, 0.6, 0.7, 140.0, 140.0, 0.5, 0.5]}))
+    assert a and a.step == 6 and a.values["adv_var"] == pytest.approx(280.7 / 3)
+    # one batch at 140 (280x) is not an explosion: the rolling mean peaks at (0.6 + 0.7 + 140) / 3 < 50
+    assert alarms.advantage_explosion(rows(9, **{"adv/var": [0.5, 0.5, 0.5, 0.6, 0.7, 140.0, 0.5, 0.5, 0.5]})) is None
     # steady growth to 10x, as a rising beta gives: quiet
     assert alarms.advantage_explosion(rows(12, **{"adv/var": lambda i: 0.5 + 0.5 * i})) is None
     inf = alarms.advantage_explosion(rows(4, **{"adv/var": [0.5, "inf", 0.5, 0.5]}))
