@@ -53,6 +53,11 @@ def _rolling(vals: list[float], i: int, window: int) -> float:
     return sum(chunk) / len(chunk)
 
 
+def _untied(rows: Rows) -> Rows:
+    """The rows of batches whose scores did not all tie (``adv/tied`` absent or 0)."""
+    return [r for r in rows if r.get("adv/tied") != 1.0]
+
+
 def _baseline(vals: list[float], n: int = 3) -> float:
     head = vals[:n]
     return sum(head) / len(head)
@@ -124,19 +129,18 @@ def advantage_explosion(rows: Rows, *, factor: float = 100.0, window: int = 3) -
     whitening) above ``factor`` (100) x its mean over the first 3 steps, or a value not finite.
     Usually a reward scale problem or a critic that diverged; the whitened update hides it, so
     only this metric shows it. Batches whose scores all tied (``adv/tied`` 1: nobody earned a rare
-    reward, or everybody earned a mastered one) are left out: their variance is the KL penalty's
-    alone, a few 1e-4 before the first hit, so a first hit measured against them read as a 20x
-    "explosion" (bench/learning.py). The factor leaves room for the growth a working run shows:
-    the KL penalty's part grows with the KL and with beta squared, and the adaptive controller may
-    raise beta 10-20x from its floor (runs there whose beta stayed below 0.25 peaked at up to 38x
-    their start over 3 steps; the three whose beta wound up past 0.5 passed 100x); a diverging
-    critic or a reward whose scale runs away grows by orders of magnitude."""
+    reward, or everybody earned a mastered one) are left out, as in :func:`value_not_learning`:
+    their variance is the KL penalty's alone, ~1e-4 before a rare reward's first hit, against which
+    that hit would read as a 20x "explosion". The factor is large because a working run's variance
+    grows on its own: the KL penalty's part grows with the KL and with beta squared, and the
+    adaptive controller raises beta 10-20x from its floor. A diverging critic or a reward whose
+    scale runs away grows by orders of magnitude."""
     raw = [(int(r.get("step", i)), r.get("adv/var")) for i, r in enumerate(rows)]
     for step, v in raw:
         if v in ("inf", "-inf"):
             return Alarm("advantage_explosion", step, "advantage variance is infinite; check the reward scale",
                          {"adv_var": math.inf})
-    s = series([r for r in rows if r.get("adv/tied") != 1.0], "adv/var")
+    s = series(_untied(rows), "adv/var")
     if len(s) < 3 + window:
         return None
     vals = [v for _, v in s]
@@ -158,7 +162,7 @@ def value_not_learning(rows: Rows, *, min_steps: int = 6, window: int = 5) -> Al
     are left out: their returns differ only by the KL penalty, so the explained variance of those
     tiny differences says nothing about the critic (it was -1 to -8 there while the batches with a
     hit gave +0.1 to +0.4, bench/learning.py keyword)."""
-    s = series([r for r in rows if r.get("adv/tied") != 1.0], "val/vf_explained_var")
+    s = series(_untied(rows), "val/vf_explained_var")
     if len(s) < min_steps:
         return None
     vals = [v for _, v in s]
