@@ -155,23 +155,23 @@ def advantage_explosion(rows: Rows, *, factor: float = 100.0, window: int = 3) -
 
 
 def value_not_learning(rows: Rows, *, min_steps: int = 6, window: int = 5) -> Alarm | None:
-    """Value function not learning: after ``min_steps`` (6) steps, the mean of
-    ``val/vf_explained_var`` over the last ``window`` (5) steps is still <= 0, i.e. the critic
-    predicts returns no better than a constant, so GAE's advantages are mostly noise. Batches whose
+    """Value function not learning: from the ``min_steps``-th (6th) step on, the rolling mean of
+    ``val/vf_explained_var`` over ``window`` (5) steps is <= 0, i.e. the critic predicts returns
+    no better than a constant, so GAE's advantages are mostly noise. The first step where it held,
+    as the live check reports it, so ``ppolm report`` and ``metrics.jsonl`` agree. Batches whose
     scores were all equal (``adv/tied`` 1: a rarely earned rule-based reward that nobody earned)
     are left out: their returns differ only by the KL penalty, so the explained variance of those
     tiny differences says nothing about the critic (it was -1 to -8 there while the batches with a
     hit gave +0.1 to +0.4, bench/learning.py keyword)."""
     s = series(_untied(rows), "val/vf_explained_var")
-    if len(s) < min_steps:
-        return None
     vals = [v for _, v in s]
-    now = _rolling(vals, len(vals) - 1, window)
-    if now <= 0:
-        return Alarm("value_not_learning", s[-1][0], f"value explained variance is {now:.2f} over the last "
-                     f"{min(window, len(vals))} steps (<= 0): the critic is not learning (raise --critic-lr, train "
-                     "more of its layers with --critic-layers, or start it from a reward model with "
-                     "--critic-init reward)", {"explained_var": now})
+    for i in range(min_steps - 1, len(vals)):
+        now = _rolling(vals, i, window)
+        if now <= 0:
+            return Alarm("value_not_learning", s[i][0], f"value explained variance is {now:.2f} over "
+                         f"{min(window, i + 1)} steps (<= 0): the critic is not learning (raise --critic-lr, train "
+                         "more of its layers with --critic-layers, or start it from a reward model with "
+                         "--critic-init reward)", {"explained_var": now})
     return None
 
 

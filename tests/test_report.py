@@ -96,9 +96,18 @@ def test_advantage_explosion():
 
 
 def test_value_not_learning():
+    # judged from the 6th step on, over the 5 steps up to it: steps 1-5 average -0.2 + 0.03 = -0.17
     a = alarms.value_not_learning(rows(8, **{"val/vf_explained_var": lambda i: -0.2 + 0.01 * i}))
-    assert a and a.name == "value_not_learning" and a.step == 7
-    assert alarms.value_not_learning(rows(8, **{"val/vf_explained_var": lambda i: -0.5 + 0.15 * i})) is None
+    assert a and a.name == "value_not_learning" and a.step == 5
+    # a critic that learns: steps 1-5 average -0.3 + 0.45 = 0.15, later windows more
+    assert alarms.value_not_learning(rows(8, **{"val/vf_explained_var": lambda i: -0.3 + 0.15 * i})) is None
+    # one that learns late (steps 1-5 average -0.05, steps 3-7 +0.25): the first step at which the
+    # rule held, the step the live check marks, which the finished run's report then also shows
+    late = rows(8, **{"val/vf_explained_var": lambda i: -0.5 + 0.15 * i})
+    assert alarms.value_not_learning(late).step == 5
+    live = alarms.LiveAlarms(kl_target=None, emit=lambda msg: None)
+    marked = [r["step"] for r in late if live(r["step"], {k: v for k, v in r.items() if k != "step"})]
+    assert marked == [5] and [a.step for a in alarms.check_all(late)] == [5]
     assert alarms.value_not_learning(rows(4, **{"val/vf_explained_var": -1.0})) is None  # too early to say
     # batches with all scores tied (adv/tied 1) do not count: here every third, at -3, would pull
     # the mean of the last 5 below 0; without them it is 0.25 (and 6 rows are needed to judge)
