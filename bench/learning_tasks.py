@@ -46,7 +46,20 @@ def question(prompts, completions, **kwargs):
     return out
 
 
-TASKS = {"exclaim": exclaim, "short": short, "keyword": keyword, "question": question}
+def digit(prompts, completions, **kwargs):
+    """Format: the answer contains a number written in digits (1), else 0."""
+    return [1.0 if re.search(r"[0-9]", _text(c)) else 0.0 for c in completions]
+
+
+def caps(prompts, completions, **kwargs):
+    """Style: up to three words of two or more letters written in capitals (1/3 each)."""
+    return [min(sum(w.isalpha() and len(w) > 1 and w.isupper() for w in re.findall(r"[A-Za-z]+", _text(c))), 3) / 3
+            for c in completions]
+
+
+# The first four chose the defaults; digit and caps were added afterwards, to check them on
+# rewards they were not tuned on.
+TASKS = {"exclaim": exclaim, "short": short, "keyword": keyword, "question": question, "digit": digit, "caps": caps}
 
 HELD_OUT = [f"Write one sentence about {x}." for x in (
     "a lighthouse", "autumn leaves", "a train journey", "a chess game", "fresh bread", "a rainy afternoon",
