@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.from_cli(args._cfg_cls, args, args.command)
         quiet_libraries()
         module, _, fn = COMMANDS[args.command][1].partition(":")
-        return getattr(importlib.import_module(module), fn)(cfg)
+        rc = getattr(importlib.import_module(module), fn)(cfg)
+        distributed.shutdown()
+        return rc
     except PPOLMError as e:
         # Several processes (torchrun): an error every process finds alike (bad options or files,
         # found before they join) is printed once per machine, by its first process; one found by a

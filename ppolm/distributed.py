@@ -146,6 +146,11 @@ def silence_others() -> None:
 
 
 def shutdown() -> None:
+    """Leave the process group at the end of a command that ran to completion. A group left for the
+    interpreter's exit to tear down can abort the process: gloo's worker threads are then destroyed
+    while still joinable ("terminate called without an active exception", SIGABRT), so a torchrun
+    job whose work was done and saved could still exit non-zero (PyTorch asks for
+    ``destroy_process_group()`` before exit: https://pytorch.org/docs/stable/distributed.html)."""
     if active():
         torch.distributed.destroy_process_group()
 

@@ -145,6 +145,31 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+LEAVES_GROUP = """
+import json, os, sys, torch
+from ppolm import cli
+rc = cli.main(sys.argv[2:])
+with open(f"{sys.argv[1]}/rank{os.environ['RANK']}.json", "w") as f:
+    json.dump({"rc": rc, "joined": torch.distributed.is_initialized()}, f)
+"""
+
+
+def test_a_finished_command_leaves_the_process_group(tiny_policy_dir, tmp_path):
+    """Each process of a torchrun job that ran to completion leaves the process group before it
+    exits (``distributed.shutdown``): a group left for the interpreter's exit to tear down can abort
+    the process (gloo's threads, SIGABRT) after the work was saved."""
+    script = tmp_path / "leaves.py"
+    script.write_text(LEAVES_GROUP)
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": f"Q{i}?", "response": "A " * (i + 1)} for i in range(4)])
+    out = tmp_path / "out"
+    p = torchrun(2, [str(script), str(tmp_path), "sft", "--model", str(tiny_policy_dir), "--data", str(data),
+                     "--epochs", "1", "--batch-size", "4", "--eval-fraction", "0", "--precision", "fp32", "--quiet",
+                     "--output-dir", str(out)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [{"rc": 0, "joined": False}] * 2
+    assert (out / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("command", ["sft", "reward", "dpo"])
 def test_one_training_step_on_two_processes_equals_one_process(command, tiny_policy_dir, tmp_path):
     """``torchrun --nproc-per-node 2 -m ppolm sft|reward|dpo`` on one batch of 5 rows (3 + 2 per
