@@ -692,6 +692,23 @@ def score_unit(std: float, mode: str, spread: tuple[float, float] = SCORE_SPREAD
     return float(std) / min(max(float(std), lo), hi)
 
 
+def kl_lr_scale(kl: float, target: float, max_scale: float) -> float:
+    """The factor on the actor's learning rate for a policy whose mean KL to the reference is ``kl``
+    (``--kl-lr-boost``): clip(target / kl, 1, max_scale), ``max_scale`` at kl <= 0 (no KL spent yet).
+
+    The KL budget left decides how large a step the policy may take: far inside it (a rare reward
+    not yet found, few nats spent) the step grows up to ``max_scale`` times; at or past the target
+    it is the plain learning rate, and the adaptive KL coefficient does the steering.
+    """
+    if target <= 0 or max_scale < 1:
+        raise ValueError(f"target must be > 0 and max_scale >= 1, got target={target}, max_scale={max_scale}")
+    if not math.isfinite(kl):
+        return 1.0
+    if kl <= 0:
+        return float(max_scale)
+    return float(min(max_scale, max(1.0, target / kl)))
+
+
 class FixedKLController:
     """Constant KL coefficient, with the interface of AdaptiveKLController (update does nothing)."""
 
@@ -712,7 +729,7 @@ __all__ = [
     "DPO_LOSS_TYPES", "KL_KINDS", "LOSS_AGG_MODES", "SCORE_SPREAD", "AdaptiveKLController", "FixedKLController",
     "RunningScale", "aggregate_loss", "score_unit",
     "dpo_loss", "entropy_from_logits", "explained_variance", "gae", "group_baseline", "grouped_pairwise_loss",
-    "grpo_advantages", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean", "masked_sum",
+    "grpo_advantages", "kl_lr_scale", "kl_penalty", "last_token_index", "logprobs_from_logits", "masked_mean", "masked_sum",
     "masked_var", "masked_whiten", "pairwise_loss", "policy_loss", "reinforce_pp_returns", "remax_advantages",
     "rloo_advantages", "shape_rewards", "value_loss",
 ]

@@ -164,7 +164,9 @@ class PPOTrainer:
                     fused=self.device.type in ("cpu", "cuda") and not self.cfg.model.fsdp)
         self.actor_opt = torch.optim.AdamW(self.actor_params, lr=a.actor_lr, **adam)
         decay = (lambda s: max(0.0, 1.0 - s / a.steps)) if a.lr_schedule == "linear" else (lambda s: 1.0)
-        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, decay)
+        # --kl-lr-boost: the actor's lr also scales with the KL budget left (set after each update)
+        self.lr_boost = core.kl_lr_scale(0.0, self.cfg.kl.kl_target, self.cfg.kl.kl_lr_boost)
+        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, lambda s: decay(s) * self.lr_boost)
         self.critic_opt = self.critic_sched = None
         if self.critic_params:
             eps = a.adam_eps if a.critic_adam_eps is None else a.critic_adam_eps
@@ -369,6 +371,8 @@ class PPOTrainer:
         mean_kl = kl_sum / rows  # over every process's rows: beta stays the same everywhere
         if not skipped and not zeroed and math.isfinite(mean_kl):
             self.kl_ctl.update(mean_kl, 1)  # one PPO update: --kl-horizon counts updates
+        if math.isfinite(mean_kl):  # the next update's share of the KL budget left (--kl-lr-boost)
+            self.lr_boost = core.kl_lr_scale(mean_kl, cfg.kl.kl_target, cfg.kl.kl_lr_boost)
         lr = self.actor_sched.get_last_lr()[0]
         critic_lr = self.critic_sched.get_last_lr()[0] if self.critic_sched is not None else None
         self.actor_sched.step()

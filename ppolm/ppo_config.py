@@ -166,6 +166,8 @@ class KLConfig:
     """The adaptive controller's largest relative step per horizon: beta *= 1 + clip(KL/target - 1, +-this) / --kl-horizon (0.2, Ziegler et al. 2019's; in (0, 1))."""
     kl_horizon: int = 1
     """Horizon of the adaptive controller, in PPO updates: each update moves beta by at most --kl-error-clip (20%)/horizon (beta *= 1 + clip(KL/target - 1, +-0.2) / horizon). Ziegler et al. count it in samples (10000, with batches of 512: 1% per update); counted in samples it would barely move at the small batches of a laptop (8 rollouts: 0.02% per update), so ppolm counts updates. 1 (20% per update): in a run of 40 updates a slower controller (10: 2%) let the KL reach 3x its target before beta caught up (bench/learning.py)."""
+    kl_lr_boost: float = 1.0
+    """Largest factor on the actor's learning rate while the KL is under --kl-target: each update's lr is --actor-lr (and its schedule) times clip(--kl-target / KL, 1, this), KL the mean over the previous batch (core.kl_lr_scale). A policy still far inside its KL budget, as while a rare reward is being found, then takes larger steps, and one at or past its target takes the plain --actor-lr. 1 = off. The lr logged is the one used."""
 
 
 @dataclass
@@ -259,6 +261,7 @@ class PPOConfig:
         need(k.kl_coef >= 0, f"--kl-coef must be >= 0; got {k.kl_coef}")
         need(k.kl_target > 0 and k.kl_horizon > 0, "--kl-target and --kl-horizon must be > 0")
         need(0 < k.kl_error_clip < 1, f"--kl-error-clip must be in (0, 1); got {k.kl_error_clip}")
+        need(1 <= k.kl_lr_boost <= 100, f"--kl-lr-boost must be in [1, 100] (1 = off); got {k.kl_lr_boost}")
         need(k.kl_coef_min is None or k.kl_coef_min >= 0, f"--kl-coef-min must be >= 0; got {k.kl_coef_min}")
         need(self.model.critic_layers >= 0, f"--critic-layers must be >= 0; got {self.model.critic_layers}")
         need(self.model.lora_r >= 0, f"--lora-r must be >= 0; got {self.model.lora_r}")

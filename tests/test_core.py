@@ -24,6 +24,7 @@ from ppolm.core import (
     grouped_pairwise_loss,
     grpo_advantages,
     kl_loss,
+    kl_lr_scale,
     kl_penalty,
     last_token_index,
     logprobs_from_logits,
@@ -606,6 +607,21 @@ def test_adaptive_kl_controller_floor() -> None:
     close(free.value, 0.04, atol=1e-12)
     with pytest.raises(ValueError, match="min_value"):
         AdaptiveKLController(0.05, target=6.0, horizon=1, min_value=-1.0)
+
+
+def test_kl_lr_scale_spends_the_budget_left() -> None:
+    # clip(target / KL, 1, max): target 6, max 2.5
+    assert kl_lr_scale(0.0, 6.0, 2.5) == 2.5  # nothing spent yet: the largest step
+    assert kl_lr_scale(2.0, 6.0, 2.5) == 2.5  # 6 / 2 = 3, capped at 2.5
+    assert kl_lr_scale(3.0, 6.0, 2.5) == 2.0  # 6 / 3
+    assert kl_lr_scale(4.0, 6.0, 2.5) == 1.5  # 6 / 4
+    assert kl_lr_scale(6.0, 6.0, 2.5) == 1.0  # on target: the plain lr
+    assert kl_lr_scale(18.0, 6.0, 2.5) == 1.0  # past it: never below the plain lr
+    assert kl_lr_scale(-0.5, 6.0, 2.5) == 2.5  # k1's sample mean can dip below 0
+    assert kl_lr_scale(float("nan"), 6.0, 2.5) == 1.0
+    assert kl_lr_scale(0.0, 6.0, 1.0) == 1.0  # max 1: off
+    with pytest.raises(ValueError, match="max_scale"):
+        kl_lr_scale(1.0, 6.0, 0.5)
 
 
 def test_adaptive_kl_controller_error_clip() -> None:

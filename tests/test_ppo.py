@@ -217,6 +217,24 @@ def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
     assert free[1]["objective/kl_coef"] == pytest.approx(free[0]["objective/kl_coef"] * (1 - 0.2 / 10))
 
 
+def test_kl_lr_boost_scales_the_actor_lr_by_the_kl_budget_left(tiny_policy_dir, tmp_path, reward_file):
+    """--kl-lr-boost B: each update's actor lr is --actor-lr * clip(--kl-target / KL, 1, B), KL the
+    previous batch's mean; the first update (no KL yet) takes B. The critic's lr is untouched, and
+    with B 1 (the default) the actor's lr is the plain one."""
+    lr, target = 1e-3, 0.5
+    rows = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "boost", reward_file, steps=4, actor_lr=lr,
+                              kl_target=target, kl_lr_boost=3.0)).metrics
+    assert rows[0]["lr"] == pytest.approx(3 * lr)
+    for prev, row in zip(rows, rows[1:]):
+        kl = prev["objective/kl"]
+        want = 3.0 if kl <= 0 else min(3.0, max(1.0, target / kl))
+        assert row["lr"] == pytest.approx(lr * want, rel=1e-6), (kl, row["lr"])
+        assert row["lr/critic"] == pytest.approx(rows[0]["lr/critic"])
+    assert len({round(r["lr"] / lr, 6) for r in rows}) > 1  # the KL moved the lr off its first value
+    plain = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "plain", reward_file, steps=2, actor_lr=lr)).metrics
+    assert [r["lr"] for r in plain] == [pytest.approx(lr)] * 2
+
+
 def test_tied_scores_give_the_policy_no_step(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
     """--tied-scores zero: a batch whose scores are all equal and no higher than the run's mean
     score (here a reward nobody earns) has advantages 0, so the policy's weights stay exactly where
