@@ -116,6 +116,21 @@ def frontier(traj: list[tuple[float, float]], budget: float, window: int = 8) ->
     return max((m for m in means if m[1] <= budget), key=lambda m: (m[0], -m[1]), default=None)  # ties: less KL
 
 
+def machine() -> str:
+    """The CPU a run trained on, with its bf16 instruction sets: the same seed on two CPUs gives two
+    different runs (their kernels round differently), so results from different machines are
+    not paired comparisons."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(info.split())
+    return " ".join([name] + [f for f in ("avx512_bf16", "amx_bf16") if f in flags])
+
+
 def task_of(key: str) -> str:
     """The task of a result key ("exclaim/ppo-defaults" -> "exclaim")."""
     return key.split("/")[0]
@@ -186,7 +201,8 @@ def main() -> None:
         if sub == "policy":
             rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
             metrics = {"train_kl_last": rows[-1]["objective/kl"], "beta_last": rows[-1]["objective/kl_coef"]}
-        results[key] = {**score(d / sub if sub else d, ref, task_of(key)), "wall_s": round(wall, 1), **metrics}
+        results[key] = {**score(d / sub if sub else d, ref, task_of(key)), "wall_s": round(wall, 1), **metrics,
+                        "machine": machine()}
         save()
         print(key, json.dumps(results[key]), flush=True)
 
