@@ -202,7 +202,7 @@ def main() -> None:
             rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
             metrics = {"train_kl_last": rows[-1]["objective/kl"], "beta_last": rows[-1]["objective/kl_coef"]}
         results[key] = {**score(d / sub if sub else d, ref, task_of(key)), "wall_s": round(wall, 1), **metrics,
-                        "machine": machine()}
+                        "machine": machine(), "seed": args.seed}
         save()
         print(key, json.dumps(results[key]), flush=True)
 

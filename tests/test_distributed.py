@@ -69,6 +69,21 @@ def fixed_rollout(policy_dir, tokenizer, path: Path, rows: int = 4) -> None:
                                                        "sample_logprobs")}}, path)
 
 
+def assert_same_weights(one: dict, two: dict, label) -> None:
+    """Two runs of the same update ended with the same weights: every element within 1e-6, but for
+    at most one in a million within 1e-5 (a tenth of one critic step at lr 1e-4).
+
+    Several processes sum each gradient in another order than one process does, and Adam divides
+    every element by its own running magnitude: an element whose gradient is only rounding noise
+    takes a step whose direction is that noise (one element of 3.2 million, 1.3e-6 apart, on an
+    AMD EPYC). A wrong reduction moves whole tensors.
+    """
+    assert one.keys() == two.keys()
+    diff = torch.cat([(one[k] - two[k].reshape(one[k].shape)).abs().flatten() for k in one])
+    off = int((diff > 1e-6).sum())
+    assert off <= diff.numel() // 1_000_000 and diff.max().item() <= 1e-5, (label, off, diff.max().item())
+
+
 def test_statistics_helpers_on_one_process():
     """Without torchrun the helpers compute locally: moments of [1, 3] (9 masked) are mean 2, biased
     var 1, n 2; scale_to_global is 1; Sums gives total / count per name."""
@@ -119,14 +134,12 @@ def test_one_update_on_two_processes_equals_one_process(tiny_policy_dir, tiny_rm
     for name, _ in sharded:
         one, two = (load_file(str(d / f"{name}-w{n}.safetensors")) for d, n in ((tmp_path, 1), (tmp_path / "fsdp", 2)))
         assert one.keys() == two.keys()
-        worst = max((one[k] - two[k].reshape(one[k].shape)).abs().max().item() for k in one)
-        assert worst <= 1e-6, (name, "fsdp", worst)
+        assert_same_weights(one, two, (name, "fsdp"))
     before = load_file(str(tiny_policy_dir / "model.safetensors"))
     for name, _ in cases:
         one, two = (load_file(str(tmp_path / f"{name}-w{n}.safetensors")) for n in (1, 2))
         assert one.keys() == two.keys() and one
-        worst = max((one[k] - two[k]).abs().max().item() for k in one)
-        assert worst <= 1e-6, (name, worst)
+        assert_same_weights(one, two, name)
         moved = [k for k in one if k.startswith("policy.") and k.removeprefix("policy.") in before
                  and not torch.equal(one[k], before[k.removeprefix("policy.")])]
         assert moved or name == "lora", f"{name}: the update changed no policy weight"
@@ -201,8 +214,7 @@ def test_one_training_step_on_two_processes_equals_one_process(command, tiny_pol
     before = load_file(str(tiny_policy_dir / "model.safetensors"))
     for n in (2, "2-fsdp"):  # DDP, and FSDP2 (each process held half of every weight)
         assert weights[n].keys() == weights[1].keys()
-        worst = max((weights[1][k] - weights[n][k]).abs().max().item() for k in weights[1])
-        assert worst <= 1e-6, (n, worst)
+        assert_same_weights(weights[1], weights[n], n)
     assert any(k in before and not torch.equal(weights[1][k], before[k]) for k in weights[1])
 
 
