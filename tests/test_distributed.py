@@ -103,7 +103,7 @@ def test_statistics_helpers_on_one_process():
 def test_one_update_on_two_processes_equals_one_process(tiny_policy_dir, tiny_rm_dir, tokenizer, tmp_path,
                                                         reward_file):
     """One PPO step on a fixed rollout of 4 rows: 2 processes with 2 rows each end with the weights
-    (1e-6) and metrics of 1 process with all 4, for full fine-tuning, LoRA, each critic kind and
+    (assert_same_weights) and metrics of 1 process with all 4, for full fine-tuning, LoRA, each critic kind and
     the critic-free estimators (global advantage and reward whitening, token-mean losses divided
     by the global token count, the KL controller fed the global KL)."""
     fixed_rollout(tiny_policy_dir, tokenizer, tmp_path / "roll.pt")
