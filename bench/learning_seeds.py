@@ -63,7 +63,7 @@ def resolve(name: str, task: str, systems: set[str]) -> str | None:
     """The system of `task` that `name` names: an exact key, or the single one it prefixes."""
     if name in systems:
         return name
-    hits = sorted(s for s in systems if s.startswith(name))
+    hits = [s for s in systems if s.startswith(name)]
     return hits[0] if len(hits) == 1 else None
 
 

@@ -70,8 +70,8 @@ def fixed_rollout(policy_dir, tokenizer, path: Path, rows: int = 4) -> None:
 
 
 def assert_same_weights(one: dict, two: dict, label) -> None:
-    """Two runs of the same update ended with the same weights: every element within 1e-6, but for
-    at most one in a million within 1e-5 (a tenth of one critic step at lr 1e-4).
+    """Two runs of the same update ended with the same weights: every element within 1e-6, except
+    at most one in a million, and those within 1e-5 (a tenth of one critic step at lr 1e-4).
 
     Several processes sum each gradient in another order than one process does, and Adam divides
     every element by its own running magnitude: an element whose gradient is only rounding noise
@@ -103,9 +103,9 @@ def test_statistics_helpers_on_one_process():
 def test_one_update_on_two_processes_equals_one_process(tiny_policy_dir, tiny_rm_dir, tokenizer, tmp_path,
                                                         reward_file):
     """One PPO step on a fixed rollout of 4 rows: 2 processes with 2 rows each end with the weights
-    (assert_same_weights) and metrics of 1 process with all 4, for full fine-tuning, LoRA, each critic kind and
-    the critic-free estimators (global advantage and reward whitening, token-mean losses divided
-    by the global token count, the KL controller fed the global KL)."""
+    (assert_same_weights) and metrics of 1 process with all 4, for full fine-tuning, LoRA, each
+    critic kind and the critic-free estimators (global advantage and reward whitening, token-mean
+    losses divided by the global token count, the KL controller fed the global KL)."""
     fixed_rollout(tiny_policy_dir, tokenizer, tmp_path / "roll.pt")
     base = dict(model=str(tiny_policy_dir), reward_fn=[f"{reward_file}:words"], steps=1, batch_size=4,
                 ppo_epochs=2, response_length=8, quiet=True, precision="fp32", kl_horizon=1,
@@ -133,12 +133,11 @@ def test_one_update_on_two_processes_equals_one_process(tiny_policy_dir, tiny_rm
     assert p.returncode == 0, p.stderr[-3000:]
     for name, _ in sharded:
         one, two = (load_file(str(d / f"{name}-w{n}.safetensors")) for d, n in ((tmp_path, 1), (tmp_path / "fsdp", 2)))
-        assert one.keys() == two.keys()
         assert_same_weights(one, two, (name, "fsdp"))
     before = load_file(str(tiny_policy_dir / "model.safetensors"))
     for name, _ in cases:
         one, two = (load_file(str(tmp_path / f"{name}-w{n}.safetensors")) for n in (1, 2))
-        assert one.keys() == two.keys() and one
+        assert one
         assert_same_weights(one, two, name)
         moved = [k for k in one if k.startswith("policy.") and k.removeprefix("policy.") in before
                  and not torch.equal(one[k], before[k.removeprefix("policy.")])]
@@ -213,7 +212,6 @@ def test_one_training_step_on_two_processes_equals_one_process(command, tiny_pol
         assert [r["epoch"] for r in rows_logged] == [1]  # written once, by process 0
     before = load_file(str(tiny_policy_dir / "model.safetensors"))
     for n in (2, "2-fsdp"):  # DDP, and FSDP2 (each process held half of every weight)
-        assert weights[n].keys() == weights[1].keys()
         assert_same_weights(weights[1], weights[n], n)
     assert any(k in before and not torch.equal(weights[1][k], before[k]) for k in weights[1])
 
