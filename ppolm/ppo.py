@@ -123,6 +123,7 @@ class PPOTrainer:
         self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
         self.skipped_total = 0
         self.consecutive_skips = 0
+        self.hold_policy = False  # this batch leaves the policy's optimiser alone (--tied-scores skip)
         self.start_step = 0
         self.warned: set[str] = set()
 
@@ -214,11 +215,12 @@ class PPOTrainer:
         self.actor.grads_to_master()
         self.critic_weights.grads_to_master()
         opts = [self.actor_opt] + ([self.critic_opt] if self.critic_opt is not None else [])
+        stepped = opts[1:] if self.hold_policy else opts  # --tied-scores skip on an unearned batch
         norms = [distributed.full(torch.nn.utils.clip_grad_norm_(ps, a.max_grad_norm))
                  for ps in (self.actor_params, self.critic_params) if ps]
         ok = all(torch.isfinite(n) for n in norms)
         if ok:
-            for opt in opts:
+            for opt in stepped:
                 opt.step()
             self.actor.copy_to_model()
             self.critic_weights.copy_to_model()
@@ -337,7 +339,7 @@ class PPOTrainer:
                 # that all earned alike above it (a reward the policy has mastered) keeps its advantages:
                 # their KL penalty is then the batch's one signal, and it pulls the policy back.
                 unearned = tied and hi <= self.score_scale.mean + 1e-9 * max(1.0, abs(hi))
-                zeroed = unearned and a.tied_scores == "zero"
+                zeroed = unearned and a.tied_scores in ("zero", "skip")
                 if zeroed:
                     advantages = torch.zeros_like(advantages)
         else:
@@ -358,7 +360,9 @@ class PPOTrainer:
                 ["another process's reward"]
             self.skip_cause = f"non-finite reward (NaN/inf) from {', '.join(bad or ['penalties'])}"
             self.warn_once("reward", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
+        self.hold_policy = zeroed and a.tied_scores == "skip"
         stats, skipped, epochs_done = self.update(exp, beta, step, a.ppo_epochs if finite else 0)
+        self.hold_policy = False
         skipped += 0 if finite else 1
         t_train = time.perf_counter()
 

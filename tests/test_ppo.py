@@ -32,6 +32,13 @@ def mastered(prompts, completions, **kwargs):
     CALLS.append(len(completions))
     return [float(i % 2) for i in range(len(completions))] if len(CALLS) == 1 else [1.0] * len(completions)
 
+ONCE = []
+
+def once(prompts, completions, **kwargs):
+    """Every other response earns it in the first batch, no response afterwards."""
+    ONCE.append(len(completions))
+    return [float(i % 2) for i in range(len(completions))] if len(ONCE) == 1 else [0.0] * len(completions)
+
 def seen(prompts, completions, answer, **kwargs):
     """Checks the TRL convention: one extra-column value per completion."""
     assert len(answer) == len(completions)
@@ -269,6 +276,31 @@ def test_tied_scores_give_the_policy_no_step(tiny_policy_dir, tiny_rm_dir, tmp_p
     rows_k, mastered_k, _ = run("mastered-keep", "keep", "mastered")
     assert [r["adv/tied"] for r in rows_z] == [0.0, 1.0, 1.0] and [r["adv/unearned"] for r in rows_z] == [0.0] * 3
     assert all(torch.equal(mastered_z[k], mastered_k[k]) for k in mastered_z)
+
+
+def test_tied_scores_skip_holds_the_policy_between_signals(tiny_policy_dir, tmp_path, reward_file):
+    """--tied-scores skip: after a batch with a signal (scores 0, 1, 0, 1), the unearned batches
+    that follow (all 0, below the running mean 0.5) do not step the policy's optimiser, so three
+    updates leave the policy exactly where the first left it, and its AdamW has counted only the
+    first batch's steps; zero lets Adam's momentum keep moving it through them. The critic learns
+    in both."""
+    def run(name: str, tied: str, steps: int):
+        cfg = make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=steps, tied_scores=tied,
+                       reward_fn=[f"{reward_file}:once"])
+        trainer = PPOTrainer(cfg)
+        rows = trainer.train().metrics
+        state = trainer.actor_opt.state[trainer.actor_params[0]]
+        return rows, load_file(str(tmp_path / name / "policy" / "model.safetensors")), \
+            load_file(str(tmp_path / name / "critic" / "model.safetensors")), int(state["step"])
+
+    one, p1, c1, n1 = run("skip-1", "skip", 1)
+    rows, p3, c3, n3 = run("skip-3", "skip", 3)
+    assert [r["adv/unearned"] for r in rows] == [0.0, 1.0, 1.0]
+    assert n1 == n3 == 4  # minibatches 2 x ppo epochs 2, in the first batch only
+    assert all(torch.equal(p1[k], p3[k]) for k in p1)
+    assert any(not torch.equal(c1[k], c3[k]) for k in c1)
+    _, z3, _, nz = run("zero-3", "zero", 3)
+    assert nz == 12 and sum(not torch.equal(p1[k], z3[k]) for k in p1) > len(p1) // 2
 
 
 def test_critic_adam_eps_sets_the_critic_optimiser_only(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
