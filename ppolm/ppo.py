@@ -123,7 +123,6 @@ class PPOTrainer:
         self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
         self.skipped_total = 0
         self.consecutive_skips = 0
-        self.hold_policy = False  # this batch leaves the policy's optimiser alone (--tied-scores skip)
         self.start_step = 0
         self.warned: set[str] = set()
 
@@ -208,14 +207,15 @@ class PPOTrainer:
         return core.penalise_scores(scores, roll.ended, roll.lengths, r.missing_eos_penalty, r.length_penalty,
                                     r.length_budget)
 
-    def optimizer_step(self) -> bool:
+    def optimizer_step(self, hold_policy: bool = False) -> bool:
         """Clip and step both optimisers (the actor's alone without a critic); skip every step if any
-        gradient is non-finite."""
+        gradient is non-finite. ``hold_policy``: step the critic's only (--tied-scores skip on a batch
+        nobody earned)."""
         a = self.cfg.algo
         self.actor.grads_to_master()
         self.critic_weights.grads_to_master()
         opts = [self.actor_opt] + ([self.critic_opt] if self.critic_opt is not None else [])
-        stepped = opts[1:] if self.hold_policy else opts  # --tied-scores skip on an unearned batch
+        stepped = opts[1:] if hold_policy else opts
         norms = [distributed.full(torch.nn.utils.clip_grad_norm_(ps, a.max_grad_norm))
                  for ps in (self.actor_params, self.critic_params) if ps]
         ok = all(torch.isfinite(n) for n in norms)
@@ -360,9 +360,8 @@ class PPOTrainer:
                 ["another process's reward"]
             self.skip_cause = f"non-finite reward (NaN/inf) from {', '.join(bad or ['penalties'])}"
             self.warn_once("reward", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
-        self.hold_policy = zeroed and a.tied_scores == "skip"
-        stats, skipped, epochs_done = self.update(exp, beta, step, a.ppo_epochs if finite else 0)
-        self.hold_policy = False
+        stats, skipped, epochs_done = self.update(exp, beta, step, a.ppo_epochs if finite else 0,
+                                                  hold_policy=zeroed and a.tied_scores == "skip")
         skipped += 0 if finite else 1
         t_train = time.perf_counter()
 
@@ -441,13 +440,13 @@ class PPOTrainer:
             non_score = -beta * kl
         return rewards, non_score, advantages, adv_var
 
-    def update(self, exp: ro.Experience, beta: float, step: int, epochs: int
+    def update(self, exp: ro.Experience, beta: float, step: int, epochs: int, hold_policy: bool = False
                ) -> tuple[dict[str, list[float]], int, int]:
         """PPO's update (step 6): ``epochs`` passes over the batch, a fresh shuffle each, in
         minibatches of microbatches (gradient accumulation), with the clipped policy and value
         losses, the KL-in-loss, entropy and PPO-ptx terms when asked, and one optimiser step per
-        minibatch. Returns the per-microbatch statistics, the skipped (non-finite) optimiser steps
-        and the epochs run (``--target-kl`` may stop early)."""
+        minibatch (the critic's alone with ``hold_policy``). Returns the per-microbatch statistics,
+        the skipped (non-finite) optimiser steps and the epochs run (``--target-kl`` may stop early)."""
         cfg, a = self.cfg, self.cfg.algo
         stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "clipfrac", "pg", "vf", "vf_clipfrac",
                                                          "ratio", "ptx", "dual_clipfrac")}
@@ -499,7 +498,7 @@ class PPOTrainer:
                     for key, val in logged:
                         stats[key].append(float(val.detach()) if torch.is_tensor(val) else float(val))
                     epoch_kl.append(float(pg["approxkl"]))
-                if not self.optimizer_step():
+                if not self.optimizer_step(hold_policy):
                     skipped += 1
                     self.skip_cause = "non-finite loss or gradient"
                     self.warn_once("grad", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")

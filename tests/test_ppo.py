@@ -293,7 +293,7 @@ def test_tied_scores_skip_holds_the_policy_between_signals(tiny_policy_dir, tmp_
         return rows, load_file(str(tmp_path / name / "policy" / "model.safetensors")), \
             load_file(str(tmp_path / name / "critic" / "model.safetensors")), int(state["step"])
 
-    one, p1, c1, n1 = run("skip-1", "skip", 1)
+    _, p1, c1, n1 = run("skip-1", "skip", 1)
     rows, p3, c3, n3 = run("skip-3", "skip", 3)
     assert [r["adv/unearned"] for r in rows] == [0.0, 1.0, 1.0]
     assert n1 == n3 == 4  # minibatches 2 x ppo epochs 2, in the first batch only
