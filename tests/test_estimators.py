@@ -118,9 +118,9 @@ def captured_experience(trainer):
     seen = {}
     update = trainer.update
 
-    def spy(exp, *args):
+    def spy(exp, *args, **kwargs):
         seen["exp"] = exp
-        return update(exp, *args)
+        return update(exp, *args, **kwargs)
 
     trainer.update = spy
     trainer.step(0)
