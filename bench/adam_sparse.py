@@ -8,7 +8,7 @@ it, so the rare gradients get larger steps (up to sqrt(steps / steps with a grad
 momentum keeps moving the weight afterwards. docs/learning.md ("Holding the policy through batches
 with no signal") uses these figures.
 
-    python bench/adam_sparse.py [--batches 40] [--steps-per-batch 4] [--eps 1e-5]
+    python bench/adam_sparse.py [--batches 40] [--steps-per-batch 2] [--eps 1e-5]
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def distance(signal: list[bool], skip_empty: bool, steps_per_batch: int, eps: fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, default=40)
-    ap.add_argument("--steps-per-batch", type=int, default=4, help="PPO epochs x minibatches")
+    ap.add_argument("--steps-per-batch", type=int, default=2,
+                    help="optimiser steps per batch: --ppo-epochs x --minibatches (the defaults: 2 x 1)")
     ap.add_argument("--eps", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
