@@ -207,10 +207,11 @@ class PPOTrainer:
         return core.penalise_scores(scores, roll.ended, roll.lengths, r.missing_eos_penalty, r.length_penalty,
                                     r.length_budget)
 
-    def optimizer_step(self, hold_policy: bool = False) -> bool:
+    def optimizer_step(self, hold_policy: bool = False) -> tuple[bool, list[float]]:
         """Clip and step both optimisers (the actor's alone without a critic); skip every step if any
         gradient is non-finite. ``hold_policy``: step the critic's only (--tied-scores skip on a batch
-        nobody earned)."""
+        nobody earned). Returns (stepped, the global gradient norms before clipping: the policy's,
+        then the separate critic's if there is one)."""
         a = self.cfg.algo
         self.actor.grads_to_master()
         self.critic_weights.grads_to_master()
@@ -226,7 +227,7 @@ class PPOTrainer:
             self.critic_weights.copy_to_model()
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        return ok
+        return ok, [float(n) for n in norms]
 
     def ptx_loss(self, gen: torch.Generator) -> torch.Tensor:
         """Language-modelling loss on a microbatch of the pretraining corpus (PPO-ptx); with several
@@ -445,11 +446,13 @@ class PPOTrainer:
         """PPO's update (step 6): ``epochs`` passes over the batch, a fresh shuffle each, in
         minibatches of microbatches (gradient accumulation), with the clipped policy and value
         losses, the KL-in-loss, entropy and PPO-ptx terms when asked, and one optimiser step per
-        minibatch (the critic's alone with ``hold_policy``). Returns the per-microbatch statistics,
-        the skipped (non-finite) optimiser steps and the epochs run (``--target-kl`` may stop early)."""
+        minibatch (the critic's alone with ``hold_policy``). Returns the per-microbatch statistics
+        (and the gradient norms of each optimiser step taken), the skipped (non-finite) optimiser
+        steps and the epochs run (``--target-kl`` may stop early)."""
         cfg, a = self.cfg, self.cfg.algo
         stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "clipfrac", "pg", "vf", "vf_clipfrac",
-                                                         "ratio", "ptx", "dual_clipfrac")}
+                                                         "ratio", "ptx", "dual_clipfrac", "grad_norm",
+                                                         "vf_grad_norm")}
         skipped, epochs_done = 0, 0
         gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
         length = cfg.generation.response_length
@@ -498,7 +501,11 @@ class PPOTrainer:
                     for key, val in logged:
                         stats[key].append(float(val.detach()) if torch.is_tensor(val) else float(val))
                     epoch_kl.append(float(pg["approxkl"]))
-                if not self.optimizer_step(hold_policy):
+                ok, norms = self.optimizer_step(hold_policy)
+                if ok:  # (the norms are global: the gradients were reduced over the processes)
+                    for key, norm in zip(("grad_norm", "vf_grad_norm"), norms):
+                        stats[key].append(norm)
+                else:
                     skipped += 1
                     self.skip_cause = "non-finite loss or gradient"
                     self.warn_once("grad", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")

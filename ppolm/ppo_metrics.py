@@ -96,6 +96,12 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
         metrics["policy/dual_clipfrac_avg"] = avg(stats["dual_clipfrac"])
     if stats["ptx"]:
         metrics["loss/ptx_avg"] = avg(stats["ptx"])
+    # global gradient norms before --max-grad-norm clips them, averaged over the update's optimiser
+    # steps: above --max-grad-norm the clip, not the learning rate, sets the step's size
+    if stats["grad_norm"]:
+        metrics["policy/grad_norm"] = avg(stats["grad_norm"])
+    if stats["vf_grad_norm"]:  # a separate critic (with --critic shared the policy's norm includes the head)
+        metrics["val/grad_norm"] = avg(stats["vf_grad_norm"])
     for name in parts:
         metrics[name] = g[name]
     return metrics

@@ -303,6 +303,35 @@ def test_tied_scores_skip_holds_the_policy_between_signals(tiny_policy_dir, tmp_
     assert nz == 12 and sum(not torch.equal(p1[k], z3[k]) for k in p1) > len(p1) // 2
 
 
+def test_grad_norms_are_logged_before_clipping(tiny_policy_dir, tmp_path, reward_file):
+    """policy/grad_norm and val/grad_norm are the mean over the update's optimiser steps of the
+    global gradient norm each optimiser is handed, before --max-grad-norm clips it: with a clip
+    that never binds they equal the norms measured in the optimisers' pre-step hooks; with one
+    that binds the same first update logs the same norms while the optimisers see norms of
+    --max-grad-norm."""
+    def run(name: str, max_norm: float):
+        cfg = make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=1, max_grad_norm=max_norm)
+        trainer = PPOTrainer(cfg)
+        seen: dict[str, list[float]] = {"policy": [], "critic": []}
+        for key, opt in (("policy", trainer.actor_opt), ("critic", trainer.critic_opt)):
+            def hook(o, args, kwargs, key=key):
+                grads = [p.grad.double() for group in o.param_groups for p in group["params"] if p.grad is not None]
+                seen[key].append(float(torch.sqrt(sum((g * g).sum() for g in grads))))
+            opt.register_step_pre_hook(hook)
+        metrics, _ = trainer.step(0)
+        return metrics, seen
+
+    free, seen = run("free", 1e9)
+    assert len(seen["policy"]) == len(seen["critic"]) == 4  # minibatches 2 x ppo epochs 2
+    assert free["policy/grad_norm"] == pytest.approx(sum(seen["policy"]) / 4, rel=1e-5)
+    assert free["val/grad_norm"] == pytest.approx(sum(seen["critic"]) / 4, rel=1e-5)
+    assert free["policy/grad_norm"] > 1e-4 and free["val/grad_norm"] > 1e-4
+    clipped, seen = run("clipped", 1e-4)
+    assert all(x == pytest.approx(1e-4, rel=1e-3) for x in seen["policy"] + seen["critic"])
+    # logged: the gradients' own norms, far above the clip
+    assert clipped["policy/grad_norm"] > 1e-3 and clipped["val/grad_norm"] > 1e-3
+
+
 def test_critic_adam_eps_sets_the_critic_optimiser_only(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
     """--critic-adam-eps gives the separate critic's AdamW its own epsilon (default 1e-8, the
     policy's --adam-eps 1e-5; None: the policy's), each optimiser its own learning rate; a
