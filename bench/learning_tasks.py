@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 KEYWORDS = ("bright", "gentle", "golden")
+SENSES = ("smell", "sound", "taste")
 
 
 def _text(c) -> str:
@@ -37,6 +38,15 @@ def keyword(prompts, completions, **kwargs):
     return out
 
 
+def senses(prompts, completions, **kwargs):
+    """Vocabulary, like keyword with other words: the share of smell, sound and taste that the answer uses."""
+    out = []
+    for c in completions:
+        words = set(re.findall(r"[a-z]+", _text(c).lower()))
+        out.append(sum(k in words for k in SENSES) / len(SENSES))
+    return out
+
+
 def question(prompts, completions, **kwargs):
     """Format: the answer is one question: it ends with '?' (1), half if a '?' appears elsewhere."""
     out = []
@@ -58,8 +68,10 @@ def caps(prompts, completions, **kwargs):
 
 
 # The first four chose the defaults; digit and caps were added afterwards, to check them on
-# rewards they were not tuned on.
-TASKS = {"exclaim": exclaim, "short": short, "keyword": keyword, "question": question, "digit": digit, "caps": caps}
+# rewards they were not tuned on, and senses later still, to check whether keyword's result holds
+# for another rarely used vocabulary.
+TASKS = {"exclaim": exclaim, "short": short, "keyword": keyword, "question": question, "digit": digit, "caps": caps,
+         "senses": senses}
 
 HELD_OUT = [f"Write one sentence about {x}." for x in (
     "a lighthouse", "autumn leaves", "a train journey", "a chess game", "fresh bread", "a rainy afternoon",
