@@ -29,22 +29,23 @@ def short(prompts, completions, **kwargs):
     return out
 
 
-def keyword(prompts, completions, **kwargs):
-    """Vocabulary: the share of the words bright, gentle and golden that the answer uses."""
+def _share_used(completions, vocabulary: tuple[str, ...]) -> list[float]:
+    """For each answer, the share of the words of ``vocabulary`` it uses (lower case, whole words)."""
     out = []
     for c in completions:
         words = set(re.findall(r"[a-z]+", _text(c).lower()))
-        out.append(sum(k in words for k in KEYWORDS) / len(KEYWORDS))
+        out.append(sum(k in words for k in vocabulary) / len(vocabulary))
     return out
+
+
+def keyword(prompts, completions, **kwargs):
+    """Vocabulary: the share of the words bright, gentle and golden that the answer uses."""
+    return _share_used(completions, KEYWORDS)
 
 
 def senses(prompts, completions, **kwargs):
     """Vocabulary, like keyword with other words: the share of smell, sound and taste that the answer uses."""
-    out = []
-    for c in completions:
-        words = set(re.findall(r"[a-z]+", _text(c).lower()))
-        out.append(sum(k in words for k in SENSES) / len(SENSES))
-    return out
+    return _share_used(completions, SENSES)
 
 
 def question(prompts, completions, **kwargs):

@@ -97,7 +97,8 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
     if stats["ptx"]:
         metrics["loss/ptx_avg"] = avg(stats["ptx"])
     # global gradient norms before --max-grad-norm clips them, averaged over the update's optimiser
-    # steps: above --max-grad-norm the clip, not the learning rate, sets the step's size
+    # steps (under AdamW a clip that binds scales the gradients down, so Adam's epsilon weighs more;
+    # docs/learning.md, "How large the policy's gradients are")
     if stats["grad_norm"]:
         metrics["policy/grad_norm"] = avg(stats["grad_norm"])
     if stats["vf_grad_norm"]:  # a separate critic (with --critic shared the policy's norm includes the head)

@@ -145,11 +145,13 @@ def test_one_update_on_two_processes_equals_one_process(tiny_policy_dir, tiny_rm
         m1, m2 = (json.loads((tmp_path / f"{name}-w{n}.json").read_text()) for n in (1, 2))
         assert m1["beta"] == pytest.approx(m2["beta"], abs=1e-12) and m1["beta"] != 0.05  # adapted, identically
         for key in ("objective/kl", "objective/scores", "objective/entropy", "adv/var", "policy/entropy_avg",
-                    "response/length_mean", "val/num_eos_tokens", "objective/non_score_reward"):
+                    "response/length_mean", "val/num_eos_tokens", "objective/non_score_reward", "policy/grad_norm"):
             assert m2["metrics"][key] == pytest.approx(m1["metrics"][key], rel=1e-5, abs=1e-6), (name, key)
         if "val/vf_explained_var" in m1["metrics"]:
             assert m2["metrics"]["val/vf_explained_var"] == pytest.approx(m1["metrics"]["val/vf_explained_var"],
                                                                           rel=1e-4, abs=1e-5)
+        if "val/grad_norm" in m1["metrics"]:  # the separate critics' global gradient norm
+            assert m2["metrics"]["val/grad_norm"] == pytest.approx(m1["metrics"]["val/grad_norm"], rel=1e-5)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
