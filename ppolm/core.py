@@ -633,8 +633,10 @@ class RunningScale:
     target for the many updates the adaptive controller needs to climb 10x. Dividing by the running
     std ("reward scaling", Engstrom et al. 2020, "Implementation Matters in Deep Policy Gradients",
     sec. 3, ``--score-scale std``) makes --kl-coef mean the same for every reward; advantages are whitened afterwards, so
-    the scale of the scores themselves does not otherwise matter. The mean is not subtracted: one
-    score per response on its last token, a constant shift changes no advantage in expectation.
+    the scale of the scores themselves does not otherwise matter. The running ``mean`` is what
+    ``--score-center running`` subtracts: a constant shift of every score changes no advantage once
+    the critic has learnt it, but the critic's value head starts at 0, and until then GAE with
+    lambda < 1 hands each response's late tokens more of the shift than its early ones.
     ``std`` is 0 until two scores seen differ (a reward nobody has earned yet carries no unit);
     :func:`score_unit` turns it into the divisor. Moments are combined per batch (Chan et al.
     1979), in float64.

@@ -307,7 +307,8 @@ class PPOTrainer:
         # 4. Per-token KL vs the reference; the score lands on each response's last real token.
         #    The score is divided by core.score_unit of the running std of every score so far
         #    (--score-scale): by default only a reward whose spread lies outside the range the
-        #    default beta was measured on is rescaled to it.
+        #    default beta was measured on is rescaled to it. --score-center running first subtracts
+        #    the running mean, so the zero-initialised critic is right in expectation from the start.
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
@@ -317,8 +318,9 @@ class PPOTrainer:
                 mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
                 self.score_scale.update(n, float(mean), float(var) * n)
             unit = core.score_unit(self.score_scale.std, cfg.reward.score_scale)
-            rewards, non_score = core.shape_rewards(scores / unit, kl, beta if cfg.kl.kl_in == "reward" else 0.0,
-                                                    mask)
+            center = self.score_scale.mean if cfg.reward.score_center == "running" else 0.0
+            rewards, non_score = core.shape_rewards((scores - center) / unit, kl,
+                                                    beta if cfg.kl.kl_in == "reward" else 0.0, mask)
             non_score = non_score * unit  # logged in the score's own units: rlhf_reward = score - unit * beta * KL
             if cfg.kl.kl_in == "loss":
                 non_score = -beta * kl

@@ -21,6 +21,10 @@ def words(prompts, completions, **kwargs):
     texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
     return [min(len(t.split()), 10) / 10 for t in texts]
 
+def minus_three(prompts, completions, **kwargs):
+    """A constant: added to another reward, it shifts every score by -3 (a reward model's offset)."""
+    return [-3.0] * len(completions)
+
 def nothing(prompts, completions, **kwargs):
     """A reward no response earns."""
     return [0.0] * len(completions)
@@ -381,6 +385,32 @@ def test_scaled_scores_make_the_kl_coefficient_independent_of_the_reward_scale(t
     (raw, _), (raw_smaller, _) = policy("raw", score_scale="none", reward_fn_weights=[0.01]), \
         policy("raw-smaller", score_scale="none", reward_fn_weights=[0.001])
     assert worst(raw, raw_smaller) > 1e-5  # (scaled: ~1e-8 apart, float rounding)
+
+
+def test_centered_scores_make_ppo_independent_of_the_reward_offset(tiny_policy_dir, tmp_path, reward_file):
+    """--score-center running subtracts the running mean of every score so far before GAE: words - 3
+    (a second reward function adding -3 to each score) then trains the same policy as words alone,
+    and the mean it subtracts is the mean of every score logged. Without it (none) the two part:
+    the zero-initialised critic takes the offset for a signal until it has learnt it."""
+    def policy(name: str, center: str, offset: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
+        fns = [f"{reward_file}:words"] + ([f"{reward_file}:minus_three"] if offset else [])
+        trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=3, reward_fn=fns,
+                                      score_center=center))
+        rows = trainer.train().metrics
+        steps_mean = sum(r["objective/scores"] for r in rows) / len(rows)  # equal batches: mean of means
+        assert trainer.score_scale.mean == pytest.approx(steps_mean, rel=1e-6)
+        return load_file(str(tmp_path / name / "policy" / "model.safetensors")), rows
+
+    def worst(a: dict, b: dict) -> float:
+        return max((a[k] - b[k]).abs().max().item() for k in a)
+
+    (plain, rows), (shifted, rows3) = policy("c", "running", False), policy("c3", "running", True)
+    assert rows[0]["objective/scores"] > 0.1  # the tiny model's 8 tokens hold words
+    assert [r["objective/scores"] - 3 for r in rows] == pytest.approx([r["objective/scores"] for r in rows3],
+                                                                     abs=1e-5)
+    assert worst(plain, shifted) < 1e-5  # float rounding of (s - 3) - (mean - 3) against s - mean
+    (raw, _), (raw3, _) = policy("n", "none", False), policy("n3", "none", True)
+    assert worst(raw, raw3) > 1e-4
 
 
 def test_ptx_mix_and_target_kl(tiny_policy_dir, tmp_path, reward_file):
