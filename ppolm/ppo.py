@@ -162,7 +162,7 @@ class PPOTrainer:
         # fused AdamW: one kernel over all parameters, ~4x faster than the per-tensor loop on a CPU
         adam = dict(eps=a.adam_eps, weight_decay=a.weight_decay,
                     fused=self.device.type in ("cpu", "cuda") and not self.cfg.model.fsdp)
-        self.actor_opt = torch.optim.AdamW(self.actor_params, lr=a.actor_lr, **adam)
+        self.actor_opt = torch.optim.AdamW(self.actor_params, lr=a.actor_lr, betas=(a.actor_adam_beta1, 0.999), **adam)
         decay = (lambda s: max(0.0, 1.0 - s / a.steps)) if a.lr_schedule == "linear" else (lambda s: 1.0)
         # --kl-lr-boost: the actor's lr also scales with the KL budget left (set after each update)
         self.lr_boost = core.kl_lr_scale(0.0, self.cfg.kl.kl_target, self.cfg.kl.kl_lr_boost)

@@ -120,6 +120,8 @@ class AlgoConfig:
     """Adam epsilon (1e-5, the TF default of OpenAI's code; detail 16)."""
     critic_adam_eps: float | None = 1e-8
     """Adam epsilon of the separate critic's optimiser (None = --adam-eps). 1e-8 (PyTorch's default): on rewards in [0, 1] the critic's gradients are small (the median sqrt(v) of its Adam states was 2e-8 after 40 updates), so --adam-eps 1e-5 shrank its steps ~500x and its explained variance stayed below 0 (-1.6 over the last 10 of 40 updates on bench/learning.py's exclaim); at 1e-8 it learns (+0.2 to +0.9 in the updates with a signal) and, with --tied-scores zero, the dense rewards there learnt more per nat of KL (exclaim 0.61, 0.66 and 0.65 at KL <= 12 over 3 seeds, against 0.53, 0.53 and 0.48). The policy keeps 1e-5: 1e-8 on both lost reward on exclaim."""
+    actor_adam_beta1: float = 0.9
+    """Adam's beta1 (first-moment decay) of the policy's optimiser; beta2 stays 0.999. A gradient keeps moving the weights along Adam's momentum for ~1/(1 - beta1) steps after the batch it came from: at 0.9 and 2 epochs, about 85 % of the displacement a batch causes comes on the following batches' steps, where the ratio clip does not see it (docs/learning.md, "Four PPO epochs a batch"). 0 keeps each batch's movement to its own clipped epochs (RMSProp-like, as PPG and IMPALA's optimiser); the critic keeps 0.9."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -260,6 +262,7 @@ class PPOConfig:
                  f"<= {FLOAT32_MAX:.3g} (typical: 1e-6 .. 1e-3)")
         need(a.adam_eps > 0 and a.max_grad_norm > 0, "--adam-eps and --max-grad-norm must be > 0")
         need(a.critic_adam_eps is None or a.critic_adam_eps > 0, f"--critic-adam-eps must be > 0; got {a.critic_adam_eps}")
+        need(0.0 <= a.actor_adam_beta1 < 1.0, f"--actor-adam-beta1 must be in [0, 1); got {a.actor_adam_beta1}")
         need(k.kl_coef >= 0, f"--kl-coef must be >= 0; got {k.kl_coef}")
         need(k.kl_target > 0 and k.kl_horizon > 0, "--kl-target and --kl-horizon must be > 0")
         need(0 < k.kl_error_clip < 1, f"--kl-error-clip must be in (0, 1); got {k.kl_error_clip}")

@@ -356,6 +356,20 @@ def test_critic_adam_eps_sets_the_critic_optimiser_only(tiny_policy_dir, tiny_rm
         make_cfg(tiny_policy_dir, tmp_path / "c", reward_file, critic_adam_eps=0.0)
 
 
+def test_actor_adam_beta1_sets_the_policy_optimiser_only(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
+    """--actor-adam-beta1 sets the policy's Adam beta1 (default 0.9, PyTorch's); the critic keeps
+    (0.9, 0.999); outside [0, 1) it is refused before any model loads."""
+    trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / "a", reward_file, reward_model=[str(tiny_rm_dir)]))
+    assert [g["betas"] for g in trainer.actor_opt.param_groups] == [(0.9, 0.999)]
+    trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / "b", reward_file, reward_model=[str(tiny_rm_dir)],
+                                  actor_adam_beta1=0.0))
+    assert [g["betas"] for g in trainer.actor_opt.param_groups] == [(0.0, 0.999)]
+    assert [g["betas"] for g in trainer.critic_opt.param_groups] == [(0.9, 0.999)]
+    for bad in (1.0, -0.1):
+        with pytest.raises(PPOLMError, match="--actor-adam-beta1 must be in"):
+            make_cfg(tiny_policy_dir, tmp_path / "c", reward_file, actor_adam_beta1=bad)
+
+
 def test_scaled_scores_make_the_kl_coefficient_independent_of_the_reward_scale(tiny_policy_dir, tmp_path,
                                                                                reward_file):
     """--score-scale std divides each score by the running std of every score so far: the reward
