@@ -122,6 +122,8 @@ class AlgoConfig:
     """Adam epsilon of the separate critic's optimiser (None = --adam-eps). 1e-8 (PyTorch's default): on rewards in [0, 1] the critic's gradients are small (the median sqrt(v) of its Adam states was 2e-8 after 40 updates), so --adam-eps 1e-5 shrank its steps ~500x and its explained variance stayed below 0 (-1.6 over the last 10 of 40 updates on bench/learning.py's exclaim); at 1e-8 it learns (+0.2 to +0.9 in the updates with a signal) and, with --tied-scores zero, the dense rewards there learnt more per nat of KL (exclaim 0.61, 0.66 and 0.65 at KL <= 12 over 3 seeds, against 0.53, 0.53 and 0.48). The policy keeps 1e-5: 1e-8 on both lost reward on exclaim."""
     actor_adam_beta1: float = 0.9
     """Adam's beta1 (first-moment decay) of the policy's optimiser; beta2 stays 0.999. A gradient keeps moving the weights along Adam's momentum for ~1/(1 - beta1) steps after the batch it came from: at 0.9 and 2 epochs, about 85 % of the displacement a batch causes comes on the following batches' steps, where the ratio clip does not see it (docs/learning.md, "Four PPO epochs a batch"). 0 keeps each batch's movement to its own clipped epochs (RMSProp-like), but on bench/learning.py it learnt far less of every reward (exclaim 0.245 against 0.667 at KL <= 12; keyword and question 0.010-0.078 against 0.094-0.680): the momentum carries much of what these small batches teach. The critic keeps 0.9."""
+    actor_lr_warmup: int = 0
+    """Updates over which the policy's learning rate rises linearly to --actor-lr (update i of the first N takes (i + 1) / N of it; 0 = off). The first batches that earn a rare reward hold one rewarded answer among noise, and a full step on them, carried on by Adam's momentum over the unrewarded batches after it, spends KL before the reward is found again (docs/learning.md). The critic's lr does not warm up."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -263,6 +265,7 @@ class PPOConfig:
         need(a.adam_eps > 0 and a.max_grad_norm > 0, "--adam-eps and --max-grad-norm must be > 0")
         need(a.critic_adam_eps is None or a.critic_adam_eps > 0, f"--critic-adam-eps must be > 0; got {a.critic_adam_eps}")
         need(0.0 <= a.actor_adam_beta1 < 1.0, f"--actor-adam-beta1 must be in [0, 1); got {a.actor_adam_beta1}")
+        need(a.actor_lr_warmup >= 0, f"--actor-lr-warmup must be >= 0 updates (0 = off); got {a.actor_lr_warmup}")
         need(k.kl_coef >= 0, f"--kl-coef must be >= 0; got {k.kl_coef}")
         need(k.kl_target > 0 and k.kl_horizon > 0, "--kl-target and --kl-horizon must be > 0")
         need(0 < k.kl_error_clip < 1, f"--kl-error-clip must be in (0, 1); got {k.kl_error_clip}")
