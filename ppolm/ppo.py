@@ -166,7 +166,9 @@ class PPOTrainer:
         decay = (lambda s: max(0.0, 1.0 - s / a.steps)) if a.lr_schedule == "linear" else (lambda s: 1.0)
         # --kl-lr-boost: the actor's lr also scales with the KL budget left (set after each update)
         self.lr_boost = core.kl_lr_scale(0.0, self.cfg.kl.kl_target, self.cfg.kl.kl_lr_boost)
-        warmup = (lambda s: min(1.0, (s + 1) / a.actor_lr_warmup)) if a.actor_lr_warmup else (lambda s: 1.0)
+        f0 = a.actor_lr_warmup_from
+        warmup = ((lambda s: f0 + (1.0 - f0) * min(1.0, (s + 1) / a.actor_lr_warmup)) if a.actor_lr_warmup
+                  else (lambda s: 1.0))
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt,
                                                              lambda s: decay(s) * warmup(s) * self.lr_boost)
         self.critic_opt = self.critic_sched = None

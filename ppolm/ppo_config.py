@@ -124,6 +124,8 @@ class AlgoConfig:
     """Adam's beta1 (first-moment decay) of the policy's optimiser; beta2 stays 0.999. A gradient keeps moving the weights along Adam's momentum for ~1/(1 - beta1) steps after the batch it came from: at 0.9 and 2 epochs, about 85 % of the displacement a batch causes comes on the following batches' steps, where the ratio clip does not see it (docs/learning.md, "Four PPO epochs a batch"). 0 keeps each batch's movement to its own clipped epochs (RMSProp-like), but on bench/learning.py it learnt far less of every reward (exclaim 0.245 against 0.667 at KL <= 12; keyword and question 0.010-0.078 against 0.094-0.680): the momentum carries much of what these small batches teach. The critic keeps 0.9."""
     actor_lr_warmup: int = 0
     """Updates over which the policy's learning rate rises linearly to --actor-lr (update i of the first N takes (i + 1) / N of it; 0 = off). The first batches that earn a rare reward hold one rewarded answer among noise, and a full step on them, carried on by Adam's momentum over the unrewarded batches after it, spends KL before the reward is found again (docs/learning.md). The critic's lr does not warm up."""
+    actor_lr_warmup_from: float = 0.0
+    """Share of --actor-lr the warmup starts from: update i of the first --actor-lr-warmup N takes F + (1 - F)(i + 1) / N of it (F = 0: (i + 1) / N). A start at the share of a smaller lr keeps the first steps that size and enlarges only the later ones."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -266,6 +268,8 @@ class PPOConfig:
         need(a.critic_adam_eps is None or a.critic_adam_eps > 0, f"--critic-adam-eps must be > 0; got {a.critic_adam_eps}")
         need(0.0 <= a.actor_adam_beta1 < 1.0, f"--actor-adam-beta1 must be in [0, 1); got {a.actor_adam_beta1}")
         need(a.actor_lr_warmup >= 0, f"--actor-lr-warmup must be >= 0 updates (0 = off); got {a.actor_lr_warmup}")
+        need(0.0 <= a.actor_lr_warmup_from <= 1.0,
+             f"--actor-lr-warmup-from must be in [0, 1] (a share of --actor-lr); got {a.actor_lr_warmup_from}")
         need(k.kl_coef >= 0, f"--kl-coef must be >= 0; got {k.kl_coef}")
         need(k.kl_target > 0 and k.kl_horizon > 0, "--kl-target and --kl-horizon must be > 0")
         need(0 < k.kl_error_clip < 1, f"--kl-error-clip must be in (0, 1); got {k.kl_error_clip}")

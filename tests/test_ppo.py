@@ -371,8 +371,9 @@ def test_actor_adam_beta1_sets_the_policy_optimiser_only(tiny_policy_dir, tiny_r
 
 
 def test_actor_lr_warmup_ramps_the_policy_lr_only(tiny_policy_dir, tmp_path, reward_file):
-    """--actor-lr-warmup N: update i of the first N takes (i + 1) / N of --actor-lr, then the full
-    lr; the critic's lr does not warm up. A negative count is refused before any model loads."""
+    """--actor-lr-warmup N: update i of the first N takes (i + 1) / N of --actor-lr (from a share F,
+    --actor-lr-warmup-from: F + (1 - F)(i + 1) / N), then the full lr; the critic's lr does not
+    warm up. A negative count or a share outside [0, 1] is refused before any model loads."""
     rows = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "a", reward_file, steps=4, actor_lr=3e-5,
                               actor_lr_warmup=3, save_every=100)).metrics
     assert [r["lr"] for r in rows] == pytest.approx([1e-5, 2e-5, 3e-5, 3e-5])
@@ -381,8 +382,14 @@ def test_actor_lr_warmup_ramps_the_policy_lr_only(tiny_policy_dir, tmp_path, rew
     rows = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "b", reward_file, steps=4, actor_lr=3e-5,
                               actor_lr_warmup=2, lr_schedule="linear", save_every=100)).metrics
     assert [r["lr"] for r in rows] == pytest.approx([3e-5 * 0.5 * 1.0, 3e-5 * 1.0 * 0.75, 3e-5 * 0.5, 3e-5 * 0.25])
+    # --actor-lr-warmup-from F: the ramp starts from F of the lr, F + (1 - F)(i + 1) / N
+    rows = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "d", reward_file, steps=3, actor_lr=3e-5,
+                              actor_lr_warmup=2, actor_lr_warmup_from=0.5, save_every=100)).metrics
+    assert [r["lr"] for r in rows] == pytest.approx([3e-5 * 0.75, 3e-5, 3e-5])
     with pytest.raises(PPOLMError, match="--actor-lr-warmup must be >= 0"):
         make_cfg(tiny_policy_dir, tmp_path / "c", reward_file, actor_lr_warmup=-1)
+    with pytest.raises(PPOLMError, match="--actor-lr-warmup-from must be in"):
+        make_cfg(tiny_policy_dir, tmp_path / "c", reward_file, actor_lr_warmup_from=1.5)
 
 
 def test_scaled_scores_make_the_kl_coefficient_independent_of_the_reward_scale(tiny_policy_dir, tmp_path,
