@@ -18,13 +18,15 @@ completion length (both estimate the same KL of the sampling policy to the refer
 
     python bench/learning.py --out /tmp/learning [--tasks exclaim,short,keyword,question]
         [--systems ppo,grpo] [--grpo-lrs 5e-5,1e-4] [--trl-python /path/to/venv-with-trl/bin/python]
-        [--ppo-args "--actor-lr 1e-5"] [--tag NAME] [--kl-target 6] [--seed 0] [--jobs 2]
+        [--ppo-args "--actor-lr 1e-5"] [--tag NAME] [--kl-target 6] [--seed 0] [--jobs 2] [--keep-models]
 
 (`--ppo-args "--score-scale std --kl-coef 0.05" --tag std` runs every score in units of its running std.)
 
 TRL runs in its own virtual environment (`pip install torch==2.13.0 "trl==1.16.*"`), as a
 subprocess; ppolm never imports it. Results are cached per run in --out, so a rerun only trains
-what is missing; the table is printed at the end.
+what is missing; the table is printed at the end. Once a run is scored its weights are deleted (a
+ppolm run's policy, critic and checkpoint hold about 2.7 GB, so a few dozen runs would fill a disk);
+its logs stay, which is all the tables read. `--keep-models` keeps them.
 
 `--jobs N` trains N runs side by side, each on one CPU thread (OMP_NUM_THREADS=1), and scores them
 afterwards on every thread. On a 2-core machine two one-thread runs take about as long per step as
@@ -40,6 +42,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -131,6 +134,28 @@ def machine() -> str:
     return " ".join([name] + [f for f in ("avx512_bf16", "amx_bf16") if f in flags])
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def drop_weights(run_dir: Path) -> int:
+    """Delete a scored run's weights and keep its logs (metrics.jsonl, samples.jsonl, config.yaml,
+    TensorBoard events, TRL's log_history.json): each folder of the run that holds a weight or
+    optimiser-state file goes whole (a ppolm run's policy/, critic/ and checkpoints/, so no model
+    folder is left without its weights), and such files in the run folder itself (TRL's model) go
+    alone. Returns the bytes freed."""
+    doomed: set[Path] = set()
+    for f in run_dir.rglob("*"):
+        if f.is_file() and not f.is_symlink() and f.name.endswith(WEIGHT_SUFFIXES):
+            rel = f.relative_to(run_dir)
+            doomed.add(f if len(rel.parts) == 1 else run_dir / rel.parts[0])
+    freed = 0
+    for p in sorted(doomed):
+        files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file() and not f.is_symlink()]
+        freed += sum(f.stat().st_size for f in files)
+        p.unlink() if p.is_file() else shutil.rmtree(p)
+    return freed
+
+
 def task_of(key: str) -> str:
     """The task of a result key ("exclaim/ppo-defaults" -> "exclaim")."""
     return key.split("/")[0]
@@ -161,6 +186,8 @@ def main() -> None:
                     help="KL budget of the equal-KL table (default: ppolm ppo's --kl-target)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="runs trained side by side, one CPU thread each (default 1: one run on every core)")
+    ap.add_argument("--keep-models", action="store_true",
+                    help="keep each run's weights after it is scored (default: delete them, keep the logs)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -205,6 +232,8 @@ def main() -> None:
                         "machine": machine(), "seed": args.seed}
         save()
         print(key, json.dumps(results[key]), flush=True)
+        if not args.keep_models:
+            drop_weights(d)
 
     if args.jobs > 1:  # train side by side, then score each on every core
         with ThreadPoolExecutor(args.jobs) as pool:

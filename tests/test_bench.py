@@ -1,0 +1,72 @@
+"""bench/learning.py's helpers: the reward-vs-KL frontier by hand, and deleting a scored run's
+weights without touching the logs its tables read (on a real micro PPO run)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ppolm.cli import main
+from ppolm.models import build_tiny_model_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import learning  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+def test_frontier_is_the_best_window_within_the_budget():
+    # (reward, KL) per step; windows of 2: means (0.15, 2), (0.25, 5), (0.35, 9), (0.4, 11)
+    traj = [(0.1, 1.0), (0.2, 3.0), (0.3, 7.0), (0.4, 11.0), (0.4, 11.0)]
+    assert learning.frontier(traj, 6.0, window=2) == pytest.approx((0.25, 5.0))
+    assert learning.frontier(traj, 9.0, window=2) == pytest.approx((0.35, 9.0))
+    assert learning.frontier(traj, 12.0, window=2) == pytest.approx((0.4, 11.0))
+    assert learning.frontier(traj, 1.5, window=2) is None  # no window's mean KL within 1.5
+    assert learning.frontier(traj[:1], 12.0, window=2) is None  # shorter than a window
+    # equal rewards: the window that spent less KL
+    assert learning.frontier([(0.5, 4.0), (0.5, 4.0), (0.5, 2.0)], 6.0, window=2) == pytest.approx((0.5, 3.0))
+
+
+def test_drop_weights_keeps_the_logs_of_a_scored_run(tmp_path):
+    model = build_tiny_model_dir(tmp_path / "micro", kind="causal", seed=0, num_layers=1, hidden_size=16,
+                                 heads=2, kv_heads=1, intermediate_size=32)
+    reward = tmp_path / "r.py"
+    reward.write_text("def words(prompts, completions, **kw):\n    return [len(c.split()) / 10 for c in completions]\n")
+    run = tmp_path / "run"
+    # the options bench/learning.py trains with: one checkpoint, at the last step
+    assert main(["ppo", "--model", str(model), "--reward-fn", f"{reward}:words", "--steps", "2", "--batch-size", "4",
+                 "--response-length", "8", "--precision", "fp32", "--device", "cpu", "--save-every", "2",
+                 "--keep-last", "1", "--quiet", "--output-dir", str(run)]) == 0
+    files = [f for f in run.rglob("*") if f.is_file()]
+    model_dirs = {run / d for d in ("policy", "critic", "checkpoints")}
+    assert all(d.is_dir() for d in model_dirs)
+    assert any(f.name.endswith(learning.WEIGHT_SUFFIXES) for f in (run / "checkpoints").rglob("*"))
+    logs = {f: f.read_bytes() for f in files if not any(d in f.parents for d in model_dirs)}
+    assert {"metrics.jsonl", "samples.jsonl", "config.yaml"} <= {f.name for f in logs}
+    assert any(f.name.startswith("events.out.tfevents") for f in logs)
+    size = sum(f.stat().st_size for f in files if f not in logs)
+    traj = learning.trajectory(run)
+
+    assert learning.drop_weights(run) == size > 0
+
+    assert not any(d.exists() for d in model_dirs)  # no model folder left without its weights
+    assert {f: f.read_bytes() for f in run.rglob("*") if f.is_file()} == logs  # every log, byte for byte
+    assert learning.trajectory(run) == traj and len(traj) == 2
+
+
+def test_drop_weights_keeps_a_model_folder_at_the_top_without_its_weights(tmp_path):
+    # a TRL run: the model's files and log_history.json side by side in the run folder
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(4, 4)}, str(tmp_path / "model.safetensors"))
+    torch.save({"step": 1}, tmp_path / "training_args.bin")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "log_history.json").write_text('[{"reward": 0.5, "kl": 0.1, "completions/mean_length": 20}]')
+    size = (tmp_path / "model.safetensors").stat().st_size + (tmp_path / "training_args.bin").stat().st_size
+
+    assert learning.drop_weights(tmp_path) == size
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "log_history.json"]
+    assert learning.trajectory(tmp_path) == [(0.5, 2.0)]
