@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from ppolm.cli import main
 from ppolm.models import build_tiny_model_dir
@@ -58,9 +60,6 @@ def test_drop_weights_keeps_the_logs_of_a_scored_run(tmp_path):
 
 def test_drop_weights_keeps_a_model_folder_at_the_top_without_its_weights(tmp_path):
     # a TRL run: the model's files and log_history.json side by side in the run folder
-    import torch
-    from safetensors.torch import save_file
-
     save_file({"w": torch.ones(4, 4)}, str(tmp_path / "model.safetensors"))
     torch.save({"step": 1}, tmp_path / "training_args.bin")
     (tmp_path / "config.json").write_text("{}")
