@@ -119,7 +119,7 @@ def kl_runaway(rows: Rows, *, target: float | None = None, factor: float = 2.0, 
         run = run + 1 if v > limit else 0
         if run >= patience:
             return Alarm("kl_runaway", step, f"KL {v:.2f} nats has been above {limit:.2f} for {patience} steps "
-                         f"(target {target}); raise --kl-coef or lower --actor-lr",
+                         f"(target {target}); raise --kl-coef (or --kl-coef-max, if beta sits at it) or lower --actor-lr",
                          {"kl": v, "limit": limit, **({"target": target} if target else {})})
     return None
 

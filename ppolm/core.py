@@ -583,22 +583,28 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 class AdaptiveKLController:
     """Adaptive KL coefficient: steer the measured KL towards a target.
 
-    error = clip(current_kl / target - 1, -c, c); value = max(min_value, value * (1 + error * n_steps / horizon)),
+    error = clip(current_kl / target - 1, -c, c);
+    value = min(max_value, max(min_value, value * (1 + error * n_steps / horizon))),
     with c = ``error_clip`` (0.2, as published).
     Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences" (sec. 2.2),
     plus an optional floor ``min_value`` (0 = none, as published). The floor keeps the controller
     from winding down while the KL sits below its target, as it does for the many updates a rare
     reward takes to be found: without it beta decays toward 0 and the KL then runs far past its
-    target before beta has climbed back.
+    target before beta has climbed back. An optional ceiling ``max_value`` (None = none, as
+    published) stops beta where its penalty would outweigh the reward and throw the policy back
+    past its target rather than hold it there.
     """
 
     def __init__(self, init_kl_coef: float, target: float, horizon: float, min_value: float = 0.0,
-                 error_clip: float = 0.2) -> None:
+                 error_clip: float = 0.2, max_value: float | None = None) -> None:
         if target <= 0 or horizon <= 0 or not 0 < error_clip < 1:
             raise ValueError(f"target and horizon must be > 0 and error_clip in (0, 1), got target={target}, "
                              f"horizon={horizon}, error_clip={error_clip}")
         if min_value < 0:
             raise ValueError(f"min_value must be >= 0, got {min_value}")
+        if max_value is not None and max_value < max(min_value, init_kl_coef):
+            raise ValueError(f"max_value must be >= min_value and init_kl_coef, got {max_value}")
+        self.max_value: float | None = None if max_value is None else float(max_value)
         self.value: float = max(float(init_kl_coef), float(min_value))
         self.target: float = float(target)
         self.horizon: float = float(horizon)
@@ -610,10 +616,12 @@ class AdaptiveKLController:
         update, Ziegler et al. the batch's sample count) with mean KL ``current_kl``."""
         error = min(max(float(current_kl) / self.target - 1.0, -self.error_clip), self.error_clip)
         self.value = max(self.min_value, self.value * (1.0 + error * n_steps / self.horizon))
+        if self.max_value is not None:
+            self.value = min(self.value, self.max_value)
 
     def state_dict(self) -> dict[str, Any]:
         return {"value": self.value, "target": self.target, "horizon": self.horizon, "min_value": self.min_value,
-                "error_clip": self.error_clip}
+                "error_clip": self.error_clip, "max_value": self.max_value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.value = float(state["value"])
@@ -621,6 +629,7 @@ class AdaptiveKLController:
         self.horizon = float(state.get("horizon", self.horizon))
         self.min_value = float(state.get("min_value", self.min_value))
         self.error_clip = float(state.get("error_clip", self.error_clip))
+        self.max_value = state.get("max_value", self.max_value)
 
 
 class RunningScale:

@@ -117,7 +117,8 @@ class PPOTrainer:
         self.build_optimisers()
         k = cfg.kl
         floor = k.kl_coef if k.kl_coef_min is None else k.kl_coef_min  # (default: beta starts at its floor)
-        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, floor, k.kl_error_clip)
+        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, floor, k.kl_error_clip,
+                                                  k.kl_coef_max)
                        if k.adaptive_kl else core.FixedKLController(k.kl_coef))
         self.score_scale = core.RunningScale()
         self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)

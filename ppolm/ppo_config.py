@@ -170,6 +170,8 @@ class KLConfig:
     """Target KL (nats per response, summed over tokens) for the adaptive controller."""
     kl_coef_min: float | None = None
     """Floor of the adaptive coefficient: beta never falls below it. None = --kl-coef: beta starts at its floor, rises while the KL is above --kl-target and falls back, never below, while it is under. Without a floor (0, Ziegler et al.'s controller) beta winds down while the KL is still small, as it is for the many updates a rare reward takes to be found, and the KL then ran to 3x its target before beta had climbed back (bench/learning.py)."""
+    kl_coef_max: float | None = None
+    """Ceiling of the adaptive coefficient: beta never rises above it (>= --kl-coef and --kl-coef-min). None = no ceiling, as Ziegler et al. Past about 0.5 / --kl-target the penalty of a KL at its target outweighs most of a score in [0, 1] (--score-scale auto), so a beta that climbed there throws the policy back below its target instead of holding it there (docs/learning.md, "A ceiling on beta")."""
     kl_error_clip: float = 0.2
     """The adaptive controller's largest relative step per horizon: beta *= 1 + clip(KL/target - 1, +-this) / --kl-horizon (0.2, Ziegler et al. 2019's; in (0, 1))."""
     kl_horizon: int = 1
@@ -275,6 +277,8 @@ class PPOConfig:
         need(0 < k.kl_error_clip < 1, f"--kl-error-clip must be in (0, 1); got {k.kl_error_clip}")
         need(1 <= k.kl_lr_boost <= 100, f"--kl-lr-boost must be in [1, 100] (1 = off); got {k.kl_lr_boost}")
         need(k.kl_coef_min is None or k.kl_coef_min >= 0, f"--kl-coef-min must be >= 0; got {k.kl_coef_min}")
+        need(k.kl_coef_max is None or k.kl_coef_max >= max(k.kl_coef, k.kl_coef_min or 0.0),
+             f"--kl-coef-max must be >= --kl-coef and --kl-coef-min; got {k.kl_coef_max}")
         need(self.model.critic_layers >= 0, f"--critic-layers must be >= 0; got {self.model.critic_layers}")
         need(self.model.lora_r >= 0, f"--lora-r must be >= 0; got {self.model.lora_r}")
         need(a.target_kl is None or a.target_kl > 0, "--target-kl must be > 0 (or none)")

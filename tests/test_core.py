@@ -609,6 +609,27 @@ def test_adaptive_kl_controller_floor() -> None:
         AdaptiveKLController(0.05, target=6.0, horizon=1, min_value=-1.0)
 
 
+def test_adaptive_kl_controller_ceiling() -> None:
+    # horizon 1, ceiling 0.1: KL 12 -> 0.05 * 1.2 = 0.06, 0.072, 0.0864, then 0.10368 > 0.1 -> 0.1,
+    # held there while the KL stays high; back below target: 0.1 * 0.8 = 0.08 (from the ceiling,
+    # not from where an unbounded beta would have climbed to).
+    ctl = AdaptiveKLController(0.05, target=6.0, horizon=1, min_value=0.05, max_value=0.1)
+    for want in (0.06, 0.072, 0.0864, 0.1, 0.1, 0.1):
+        ctl.update(12.0, 1)
+        close(ctl.value, want, atol=1e-12)
+    ctl.update(0.0, 1)
+    close(ctl.value, 0.08, atol=1e-12)
+    restored = AdaptiveKLController(0.05, target=6.0, horizon=1)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.max_value == 0.1
+    restored.update(100.0, 1)
+    close(restored.value, 0.096, atol=1e-12)
+    restored.update(100.0, 1)
+    assert restored.value == 0.1
+    with pytest.raises(ValueError, match="max_value"):
+        AdaptiveKLController(0.05, target=6.0, horizon=1, min_value=0.05, max_value=0.04)
+
+
 def test_kl_lr_scale_spends_the_budget_left() -> None:
     # clip(target / KL, 1, max): target 6, max 2.5
     assert kl_lr_scale(0.0, 6.0, 2.5) == 2.5  # nothing spent yet: the largest step

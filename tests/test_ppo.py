@@ -217,7 +217,8 @@ def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
     """The horizon counts PPO updates, whatever the batch size. The first step's KL is 0 (policy =
     reference); KL above a tiny target from the second step on: beta x 1.2 per update (horizon 1,
     the default). KL below a large target: beta stays at its floor (--kl-coef by default), or with
-    --kl-coef-min 0 shrinks by (1 - 0.2 / 10) per update at horizon 10."""
+    --kl-coef-min 0 shrinks by (1 - 0.2 / 10) per update at horizon 10; with --kl-coef-max it climbs
+    no higher than that."""
     up = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "up", reward_file, kl_target=1e-9, steps=3)).metrics
     beta = [r["objective/kl_coef"] for r in up]
     assert beta[0] == beta[1] == 0.01 and beta[2] == pytest.approx(0.01 * 1.2)
@@ -226,6 +227,15 @@ def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
     free = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "free", reward_file, kl_target=100.0, kl_horizon=10,
                               kl_coef_min=0.0)).metrics
     assert free[1]["objective/kl_coef"] == pytest.approx(free[0]["objective/kl_coef"] * (1 - 0.2 / 10))
+    # --kl-coef-max 0.011: the same climb as "up" stops at the ceiling (0.012 -> 0.011). Each row's
+    # beta replayed from the previous row's KL: x (1 +- 0.2), within [floor 0.01, ceiling 0.011].
+    capped = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "capped", reward_file, kl_target=1e-9, steps=4,
+                                kl_coef_max=0.011)).metrics
+    want = [0.01]
+    for row in capped[:-1]:
+        want.append(min(0.011, max(0.01, want[-1] * (1.2 if row["objective/kl"] > 1e-9 else 0.8))))
+    assert [r["objective/kl_coef"] for r in capped] == pytest.approx(want)
+    assert capped[2]["objective/kl_coef"] == pytest.approx(0.011)
 
 
 def test_kl_lr_boost_scales_the_actor_lr_by_the_kl_budget_left(tiny_policy_dir, tmp_path, reward_file):
