@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -150,8 +151,12 @@ def shutdown() -> None:
     interpreter's exit to tear down can abort the process: gloo's worker threads are then destroyed
     while still joinable ("terminate called without an active exception", SIGABRT), so a torchrun
     job whose work was done and saved could still exit non-zero (PyTorch asks for
-    ``destroy_process_group()`` before exit: https://pytorch.org/docs/stable/distributed.html)."""
+    ``destroy_process_group()`` before exit: https://pytorch.org/docs/stable/distributed.html).
+    Garbage is collected first: reference cycles (FSDP's modules and their hooks form them) can
+    keep the collectives' work objects and their tensors alive until the interpreter's own
+    teardown, where freeing them can abort the same way (pytorch/pytorch#179291)."""
     if active():
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 

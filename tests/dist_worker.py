@@ -49,6 +49,7 @@ def main(spec_path: str) -> None:
             (out / f"{case['name']}-w{world}.json").write_text(json.dumps(
                 {"beta": trainer.kl_ctl.value, "metrics": metrics}))
         distributed.barrier()
+        del trainer  # (freed here, while the process group is alive)
     distributed.shutdown()
 
 
