@@ -50,7 +50,7 @@ class PPOTrainer:
         from ppolm.rewards import RewardFunction, function_name, load_reward_fn, reward_model_dir
 
         cfg.validate(world_size=distributed.launched_world_size())  # before any process joins or loads anything
-        cfg.resolve()  # --kl-in auto / --loss-agg auto: what they mean for this --advantage
+        cfg.resolve()  # --kl-in, --loss-agg, --kl-coef-max left to their defaults: what they mean for this run
         self.cfg = cfg
         m = cfg.model
         self.out = Path(cfg.run.output_dir)
@@ -117,8 +117,9 @@ class PPOTrainer:
         self.build_optimisers()
         k = cfg.kl
         floor = k.kl_coef if k.kl_coef_min is None else k.kl_coef_min  # (default: beta starts at its floor)
+        ceiling = None if k.kl_coef_max is None or math.isinf(k.kl_coef_max) else k.kl_coef_max  # (inf: none)
         self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, floor, k.kl_error_clip,
-                                                  k.kl_coef_max)
+                                                  ceiling)
                        if k.adaptive_kl else core.FixedKLController(k.kl_coef))
         self.score_scale = core.RunningScale()
         self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)

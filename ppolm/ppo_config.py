@@ -6,6 +6,7 @@ Defaults are chosen so that the embedded 135M model learns on a laptop CPU withi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -18,6 +19,10 @@ GROUP_SIZE = 4
 """--samples-per-prompt of the group estimators when it is not given (a batch of 8: 2 prompts x 4)."""
 KL_IN_LOSS_ESTIMATORS = ("grpo", "dr-grpo", "rloo", "remax")
 """Score-based estimators whose KL penalty goes into the loss (k3, as GRPO) under --kl-in auto."""
+KL_PENALTY_AT_TARGET = 0.48
+"""The default ceiling on beta (--kl-coef-max) is this over --kl-target: the KL penalty of a policy at
+its target, beta * target, is then at most 0.48 score units, about the widest spread of scores (0.5)
+that --score-scale auto leaves as it is (0.08 at the default target of 6 nats)."""
 
 
 @dataclass
@@ -171,7 +176,7 @@ class KLConfig:
     kl_coef_min: float | None = None
     """Floor of the adaptive coefficient: beta never falls below it. None = --kl-coef: beta starts at its floor, rises while the KL is above --kl-target and falls back, never below, while it is under. Without a floor (0, Ziegler et al.'s controller) beta winds down while the KL is still small, as it is for the many updates a rare reward takes to be found, and the KL then ran to 3x its target before beta had climbed back (bench/learning.py)."""
     kl_coef_max: float | None = None
-    """Ceiling of the adaptive coefficient: beta never rises above it (>= --kl-coef and --kl-coef-min). None = no ceiling, as Ziegler et al. Past about 0.5 / --kl-target the penalty of a KL at its target outweighs most of a score in [0, 1] (--score-scale auto), so a beta that climbed there throws the policy back below its target instead of holding it there (docs/learning.md, "A ceiling on beta")."""
+    """Ceiling of the adaptive coefficient: beta never rises above it (>= --kl-coef and --kl-coef-min; inf = no ceiling, as Ziegler et al.). None (default) = KL_PENALTY_AT_TARGET / --kl-target, 0.08 at the default target, where PPO (--advantage gae) runs with --score-scale auto and that value is at least --kl-coef and the floor; no ceiling otherwise (raw or hand-scaled scores, a hand-set beta above it, the critic-free estimators). config.yaml records the value used. Past it the penalty of a KL at its target outweighs most of a score in [0, 1] (--score-scale auto leaves a spread of at most 0.5), so a beta that climbed there threw the policy back below its target instead of holding it there: without a ceiling, runs of 100 updates swung between twice the target and a collapsed reward for 20-30 updates at a time; with it they held their reward (docs/learning.md, "A ceiling on beta" and "Runs longer than 40 updates")."""
     kl_error_clip: float = 0.2
     """The adaptive controller's largest relative step per horizon: beta *= 1 + clip(KL/target - 1, +-this) / --kl-horizon (0.2, Ziegler et al. 2019's; in (0, 1))."""
     kl_horizon: int = 1
@@ -278,7 +283,7 @@ class PPOConfig:
         need(1 <= k.kl_lr_boost <= 100, f"--kl-lr-boost must be in [1, 100] (1 = off); got {k.kl_lr_boost}")
         need(k.kl_coef_min is None or k.kl_coef_min >= 0, f"--kl-coef-min must be >= 0; got {k.kl_coef_min}")
         need(k.kl_coef_max is None or k.kl_coef_max >= max(k.kl_coef, k.kl_coef_min or 0.0),
-             f"--kl-coef-max must be >= --kl-coef and --kl-coef-min; got {k.kl_coef_max}")
+             f"--kl-coef-max must be >= --kl-coef and --kl-coef-min (or inf: no ceiling); got {k.kl_coef_max}")
         need(self.model.critic_layers >= 0, f"--critic-layers must be >= 0; got {self.model.critic_layers}")
         need(self.model.lora_r >= 0, f"--lora-r must be >= 0; got {self.model.lora_r}")
         need(a.target_kl is None or a.target_kl > 0, "--target-kl must be > 0 (or none)")
@@ -331,13 +336,15 @@ class PPOConfig:
 
     def resolve(self) -> None:
         """Replace the "auto" choices by what they mean for this estimator (before the run saves its
-        config.yaml): --samples-per-prompt, --kl-in and --loss-agg."""
+        config.yaml): --samples-per-prompt, --kl-in, --loss-agg and --kl-coef-max."""
         a, k = self.algo, self.kl
         a.samples_per_prompt = self.group_size
         if k.kl_in == "auto":
             k.kl_in = "loss" if a.advantage in KL_IN_LOSS_ESTIMATORS else "reward"
         if a.loss_agg == "auto":
             a.loss_agg = "seq-mean-token-sum-norm" if a.advantage == "dr-grpo" else "token-mean"
+        if k.kl_coef_max is None:
+            k.kl_coef_max = default_kl_coef_max(self)
 
     @property
     def group_size(self) -> int:
@@ -358,3 +365,14 @@ class PPOConfig:
     @property
     def microbatch_size(self) -> int:
         return self.minibatch_size // self.algo.grad_accum
+
+
+def default_kl_coef_max(cfg: PPOConfig) -> float:
+    """What --kl-coef-max none means for this run: KL_PENALTY_AT_TARGET / --kl-target where beta is
+    in the units that ceiling was measured in (GAE's per-token reward on scores under --score-scale
+    auto) and lies above the start and the floor of beta; inf (no ceiling) otherwise."""
+    k = cfg.kl
+    ceiling = KL_PENALTY_AT_TARGET / k.kl_target
+    floor = k.kl_coef if k.kl_coef_min is None else k.kl_coef_min
+    in_units = cfg.algo.advantage == "gae" and cfg.reward.score_scale == "auto" and k.kl_in in ("auto", "reward")
+    return ceiling if in_units and k.adaptive_kl and ceiling >= max(k.kl_coef, floor) else math.inf

@@ -35,6 +35,7 @@ https://arxiv.org/abs/1710.03740, and as FSDP's ``MixedPrecisionPolicy(param_dty
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import shutil
@@ -390,6 +391,8 @@ def ppo_config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
                 continue
             section = saved.get(sec, {}) if isinstance(saved, dict) else {}
             old = section.get(k, v) if isinstance(section, dict) else None
+            if (sec, k) == ("kl", "kl_coef_max") and old is None:
+                old = math.inf  # a run saved before the ceiling had a default: none meant no ceiling
             if old != v:
                 return f"{k}: {old!r} then, {v!r} now"
     return ""

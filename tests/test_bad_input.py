@@ -275,7 +275,7 @@ CASES = [
     ("clip-eps-high-not-positive", lambda i, t: {"clip_eps_high": 0}, r"--clip-eps-high must be > 0; got 0"),
     ("kl-error-clip-out-of-range", lambda i, t: {"kl_error_clip": 1.0}, r"--kl-error-clip must be in \(0, 1\); got 1\.0"),
     ("kl-coef-max-below-kl-coef", lambda i, t: {"kl_coef": 0.05, "kl_coef_max": 0.01},
-     r"--kl-coef-max must be >= --kl-coef and --kl-coef-min; got 0\.01"),
+     r"--kl-coef-max must be >= --kl-coef and --kl-coef-min \(or inf: no ceiling\); got 0\.01"),
     ("critic-lam-out-of-range", lambda i, t: {"critic_lam": -0.5}, r"--critic-lam must be in \[0, 1\]"),
     ("config-yaml-syntax", lambda i, t: {"config": i.write("y.yaml", "steps: 3\nalgo: [\n")},
      r"y\.yaml is not valid YAML at line \d+; fix the syntax"),

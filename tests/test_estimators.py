@@ -71,6 +71,7 @@ def test_critic_free_estimator_trains_and_writes_no_critic(tiny_policy_dir, tiny
     kl_in = "reward" if advantage.startswith("reinforce++") else "loss"
     assert saved["kl"]["kl_in"] == kl_in
     assert saved["algo"]["loss_agg"] == ("seq-mean-token-sum-norm" if advantage == "dr-grpo" else "token-mean")
+    assert saved["kl"]["kl_coef_max"] == math.inf  # the default ceiling is GAE's only
 
 
 def test_critic_free_run_resumes(tiny_policy_dir, tmp_path, reward_file):

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from ppolm import config, core
@@ -236,6 +237,35 @@ def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
         want.append(min(0.011, max(0.01, want[-1] * (1.2 if row["objective/kl"] > 1e-9 else 0.8))))
     assert [r["objective/kl_coef"] for r in capped] == pytest.approx(want)
     assert capped[2]["objective/kl_coef"] == pytest.approx(0.011)
+    # left to its default the ceiling is 0.48 / --kl-target, recorded in config.yaml: far above any
+    # beta of "up" at its tiny target
+    assert yaml.safe_load((tmp_path / "up" / "config.yaml").read_text())["kl"]["kl_coef_max"] == pytest.approx(4.8e8)
+
+
+@pytest.mark.parametrize("options, want", [
+    ({}, 0.08),  # 0.48 / 6
+    ({"kl_target": 12.0}, 0.04),
+    ({"kl_target": 3.0}, 0.16),
+    ({"kl_coef_max": 0.2}, 0.2),  # given: kept
+    ({"kl_coef_max": "inf"}, math.inf),  # no ceiling, as Ziegler et al.
+    ({"kl_coef": 0.05, "kl_coef_min": 0.02}, 0.08),
+    ({"kl_coef": 0.1}, math.inf),  # a hand-set beta above 0.08: no ceiling rather than a fixed beta
+    ({"kl_coef": 0.01, "kl_coef_min": 0.09}, math.inf),  # a floor above it
+    ({"score_scale": "none"}, math.inf),  # raw scores: beta is in the reward's own unknown units
+    ({"score_scale": "std"}, math.inf),
+    ({"kl_in": "loss"}, math.inf),
+    ({"adaptive_kl": False}, math.inf),
+    ({"advantage": "grpo"}, math.inf),
+    ({"advantage": "reinforce++"}, math.inf),
+])
+def test_default_kl_coef_max_is_the_target_penalty_over_the_target(options, want):
+    """--kl-coef-max left to its default: 0.48 / --kl-target (ppo_config.KL_PENALTY_AT_TARGET) for
+    GAE on scores under --score-scale auto with the KL in the reward, where that lies above beta's
+    start and floor; no ceiling (inf) otherwise."""
+    cfg = config.build(PPOConfig, {"reward_fn": ["x.py:f"], **options})
+    cfg.validate()
+    cfg.resolve()
+    assert cfg.kl.kl_coef_max == pytest.approx(want)
 
 
 def test_kl_lr_boost_scales_the_actor_lr_by_the_kl_budget_left(tiny_policy_dir, tmp_path, reward_file):

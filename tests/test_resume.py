@@ -267,6 +267,25 @@ def test_resume_refuses_other_steps_under_a_linear_schedule(micro_dir, reward_fi
     assert main(ppo_args(micro_dir, reward_file, out, steps=2, extra=["--resume"])) == 0  # same steps: fine
 
 
+def test_a_run_saved_without_a_ceiling_on_beta_resumes_with_kl_coef_max_inf(micro_dir, reward_file, tmp_path,
+                                                                             capsys):
+    """A run whose config.yaml says kl_coef_max: null was saved when that meant no ceiling on beta.
+    Resumed with today's default (a ceiling) it is refused with the difference named; with
+    --kl-coef-max inf, the same controller as then, it continues."""
+    out = tmp_path / "run"
+    extra = ["--lr-schedule", "constant"]
+    assert main(ppo_args(micro_dir, reward_file, out, steps=1, extra=extra)) == 0
+    saved = out / "config.yaml"
+    text = saved.read_text()
+    assert "kl_coef_max: 0.08" in text
+    saved.write_text(text.replace("kl_coef_max: 0.08", "kl_coef_max: null"))
+    capsys.readouterr()
+    assert main(ppo_args(micro_dir, reward_file, out, steps=2, extra=extra + ["--resume"])) == 2
+    assert "(kl_coef_max: inf then, 0.08 now)" in capsys.readouterr().err
+    assert main(ppo_args(micro_dir, reward_file, out, steps=2, extra=extra + ["--resume", "--kl-coef-max", "inf"])) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
 def test_checkpoint_refuses_non_finite_tensors(tmp_path):
     root = tmp_path / "ckpt"
     checkpoint.save(root, 1, {"w": torch.ones(3)}, {"x": 1}, keep_last=2)
