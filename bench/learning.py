@@ -1,7 +1,7 @@
 """How much do ppolm's PPO defaults learn on short rule-based rewards, against TRL's GRPO on the same budget?
 
 For each task of bench/learning_tasks.py (by default the four the defaults were chosen on:
-punctuation, word budget, vocabulary, format; `--tasks digit,caps,senses` runs three added afterwards) and each
+punctuation, word budget, vocabulary, format; `--tasks digit,caps,senses,comma,quote` runs five added afterwards) and each
 system, train the embedded SmolLM2-135M-Instruct for --steps steps of 8 samples with at most 32 new
 tokens, then score it *independently*: plain transformers sampling at temperature 1 (no top-k/top-p),
 4 samples for each of 32 held-out prompts, and the KL to the starting model measured on those

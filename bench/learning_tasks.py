@@ -68,11 +68,22 @@ def caps(prompts, completions, **kwargs):
             for c in completions]
 
 
+def comma(prompts, completions, **kwargs):
+    """Punctuation: up to three commas (1/3 each)."""
+    return [min(_text(c).count(","), 3) / 3 for c in completions]
+
+
+def quote(prompts, completions, **kwargs):
+    """Format: the answer quotes something: a pair of double quotes around at least one word (1), else 0."""
+    return [1.0 if re.search(r'["\u201c][^"\u201c\u201d]*[A-Za-z][^"\u201c\u201d]*["\u201d]', _text(c)) else 0.0
+            for c in completions]
+
+
 # The first four chose the defaults; digit and caps were added afterwards, to check them on
-# rewards they were not tuned on, and senses later still, to check whether keyword's result holds
-# for another rarely used vocabulary.
+# rewards they were not tuned on, senses later still, to check whether keyword's result holds
+# for another rarely used vocabulary, and comma and quote after the ceiling on beta became a default.
 TASKS = {"exclaim": exclaim, "short": short, "keyword": keyword, "question": question, "digit": digit, "caps": caps,
-         "senses": senses}
+         "senses": senses, "comma": comma, "quote": quote}
 
 HELD_OUT = [f"Write one sentence about {x}." for x in (
     "a lighthouse", "autumn leaves", "a train journey", "a chess game", "fresh bread", "a rainy afternoon",

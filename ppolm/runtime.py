@@ -391,7 +391,7 @@ def ppo_config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
                 continue
             section = saved.get(sec, {}) if isinstance(saved, dict) else {}
             old = section.get(k, v) if isinstance(section, dict) else None
-            if (sec, k) == ("kl", "kl_coef_max") and old is None:
+            if (sec, k) == ("kl", "kl_coef_max") and old is None and v is not None:
                 old = math.inf  # a run saved before the ceiling had a default: none meant no ceiling
             if old != v:
                 return f"{k}: {old!r} then, {v!r} now"
