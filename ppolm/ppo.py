@@ -116,9 +116,8 @@ class PPOTrainer:
             seed_everything(cfg.run.seed + 1_000_033 * self.rank)
         self.build_optimisers()
         k = cfg.kl
-        floor = k.kl_coef if k.kl_coef_min is None else k.kl_coef_min  # (default: beta starts at its floor)
-        ceiling = None if k.kl_coef_max is None or math.isinf(k.kl_coef_max) else k.kl_coef_max  # (inf: none)
-        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, floor, k.kl_error_clip,
+        ceiling = None if math.isinf(k.kl_coef_max) else k.kl_coef_max  # (resolved above; inf: none)
+        self.kl_ctl = (core.AdaptiveKLController(k.kl_coef, k.kl_target, k.kl_horizon, k.floor, k.kl_error_clip,
                                                   ceiling)
                        if k.adaptive_kl else core.FixedKLController(k.kl_coef))
         self.score_scale = core.RunningScale()

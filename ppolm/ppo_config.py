@@ -185,6 +185,12 @@ class KLConfig:
     """Largest factor on the actor's learning rate while the KL is under --kl-target: each update's lr is --actor-lr (and its schedule) times clip(--kl-target / KL, 1, this), KL the mean over the previous batch (core.kl_lr_scale). A policy still far inside its KL budget, as while a rare reward is being found, then takes larger steps, and one at or past its target takes the plain --actor-lr. 1 = off. The lr logged is the one used."""
 
 
+    @property
+    def floor(self) -> float:
+        """The adaptive coefficient's floor: --kl-coef-min, by default --kl-coef (beta starts at its floor)."""
+        return self.kl_coef if self.kl_coef_min is None else self.kl_coef_min
+
+
 @dataclass
 class RunConfig:
     prompts: str | None = None
@@ -373,6 +379,5 @@ def default_kl_coef_max(cfg: PPOConfig) -> float:
     auto) and lies above the start and the floor of beta; inf (no ceiling) otherwise."""
     k = cfg.kl
     ceiling = KL_PENALTY_AT_TARGET / k.kl_target
-    floor = k.kl_coef if k.kl_coef_min is None else k.kl_coef_min
     in_units = cfg.algo.advantage == "gae" and cfg.reward.score_scale == "auto" and k.kl_in in ("auto", "reward")
-    return ceiling if in_units and k.adaptive_kl and ceiling >= max(k.kl_coef, floor) else math.inf
+    return ceiling if in_units and k.adaptive_kl and ceiling >= max(k.kl_coef, k.floor) else math.inf
