@@ -1,12 +1,12 @@
 """How much do ppolm's PPO defaults learn on short rule-based rewards, against TRL's GRPO on the same budget?
 
 For each task of bench/learning_tasks.py (by default the four the defaults were chosen on:
-punctuation, word budget, vocabulary, format; `--tasks digit,caps,senses,comma,quote` runs five added afterwards) and each
+punctuation, word budget, vocabulary, format; `--tasks digit,caps,senses,comma,quote,length20` runs six added afterwards) and each
 system, train the embedded SmolLM2-135M-Instruct for --steps steps of 8 samples with at most 32 new
 tokens, then score it *independently*: plain transformers sampling at temperature 1 (no top-k/top-p),
 4 samples for each of 32 held-out prompts, and the KL to the starting model measured on those
 samples (nats per response, sum over tokens of log p - log p_ref). "closed" is the share of the gap
-from the starting model's held-out reward to the maximum (1) that training closed.
+from the starting model's held-out reward to the maximum (1; 0 for length20) that training closed.
 
 A second table compares the systems at equal KL, from their own training logs: the best mean
 training reward over 8 consecutive steps whose mean KL (nats per response) stays within the KL
@@ -52,7 +52,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from learning_tasks import HELD_OUT, TASKS  # noqa: E402
+from learning_tasks import HELD_OUT, TASKS, maximum  # noqa: E402
 
 
 def score(model_dir: str | Path, ref_dir: str | Path, task: str, samples: int = 4, seed: int = 1234) -> dict:
@@ -248,7 +248,8 @@ def main() -> None:
     for key, r in sorted(results.items()):
         task, system = key.split("/")
         start = results[f"{task}/start"]["reward"]
-        closed = (r["reward"] - start) / (1 - start) if start < 1 else float("nan")
+        top = maximum(task)
+        closed = (r["reward"] - start) / (top - start) if start < top else float("nan")
         print(f"{task:9} {system:22} {r['reward']:7.3f} ± {r['se']:.3f} {100 * closed:6.0f}% {r['kl']:6.2f} "
               f"{r['wall_s']:7.0f}")
 

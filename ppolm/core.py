@@ -643,7 +643,7 @@ class RunningScale:
     std ("reward scaling", Engstrom et al. 2020, "Implementation Matters in Deep Policy Gradients",
     sec. 3, ``--score-scale std``) makes --kl-coef mean the same for every reward; advantages are whitened afterwards, so
     the scale of the scores themselves does not otherwise matter. The running ``mean`` is what
-    ``--score-center running`` subtracts: a constant shift of every score changes no advantage once
+    ``--score-center`` subtracts (all of it, or by default its part beyond two stds: :func:`score_center`): a constant shift of every score changes no advantage once
     the critic has learnt it, but the critic's value head starts at 0, and until then GAE with
     lambda < 1 hands each response's late tokens more of the shift than its early ones.
     ``std`` is 0 until two scores seen differ (a reward nobody has earned yet carries no unit);
@@ -701,6 +701,34 @@ def score_unit(std: float, mode: str, spread: tuple[float, float] = SCORE_SPREAD
         return float(std)
     lo, hi = spread
     return float(std) / min(max(float(std), lo), hi)
+
+
+SCORE_CENTER_BAND = 2.0
+"""How many running stds from 0 the running mean of the scores may lie before
+``score_center(..., "auto")`` subtracts the excess: the [0, 1] rule-based rewards of
+bench/learning.py stay inside it while their mean is under 0.8 (a 0/1 reward's mean is
+sqrt(p / (1 - p)) of its std from 0), so only an offset larger than such a reward's own is moved."""
+
+
+def score_center(mean: float, std: float, mode: str, band: float = SCORE_CENTER_BAND) -> float:
+    """What is subtracted from every score before GAE, from the running mean and std of the
+    scores (:class:`RunningScale`).
+
+    none: 0. running: ``mean`` (reward centering, Naik et al. 2024, arXiv:2405.09999). auto:
+    ``mean - clip(mean, -band * std, band * std)``, the part of the offset beyond ``band`` spreads
+    from 0: a reward whose mean lies within it keeps its scores as they are, one further off (a
+    reward that is never positive, or one that starts at 3) is brought to the band's edge, so the
+    zero-initialised value head starts no further from the returns than on a [0, 1] reward. With
+    no spread yet (``std`` 0) that edge is 0 and auto subtracts the whole mean.
+    """
+    if mode not in ("none", "running", "auto"):
+        raise ValueError(f"mode must be none, running or auto, got {mode!r}")
+    if mode == "none":
+        return 0.0
+    if mode == "running":
+        return float(mean)
+    edge = band * max(float(std), 0.0)
+    return float(mean) - min(max(float(mean), -edge), edge)
 
 
 def kl_lr_scale(kl: float, target: float, max_scale: float) -> float:

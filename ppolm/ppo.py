@@ -312,8 +312,9 @@ class PPOTrainer:
         # 4. Per-token KL vs the reference; the score lands on each response's last real token.
         #    The score is divided by core.score_unit of the running std of every score so far
         #    (--score-scale): by default only a reward whose spread lies outside the range the
-        #    default beta was measured on is rescaled to it. --score-center running first subtracts
-        #    the running mean, so the zero-initialised critic is right in expectation from the start.
+        #    default beta was measured on is rescaled to it. --score-center first subtracts the
+        #    running mean's part beyond two running stds (all of it with "running"), so that the
+        #    zero-initialised critic starts no further from the returns than on a [0, 1] reward.
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
@@ -323,7 +324,7 @@ class PPOTrainer:
                 mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
                 self.score_scale.update(n, float(mean), float(var) * n)
             unit = core.score_unit(self.score_scale.std, cfg.reward.score_scale)
-            center = self.score_scale.mean if cfg.reward.score_center == "running" else 0.0
+            center = core.score_center(self.score_scale.mean, self.score_scale.std, cfg.reward.score_center)
             rewards, non_score = core.shape_rewards((scores - center) / unit, kl,
                                                     beta if cfg.kl.kl_in == "reward" else 0.0, mask)
             non_score = non_score * unit  # logged in the score's own units: rlhf_reward = score - unit * beta * KL
@@ -398,6 +399,8 @@ class PPOTrainer:
                                            times=(t_start, t_rollout, t_score, t_train))
         if a.advantage == "gae" and cfg.reward.score_scale != "none":
             metrics["objective/score_scale"] = unit
+        if a.advantage == "gae" and cfg.reward.score_center != "none":
+            metrics["objective/score_center"] = center
         if a.advantage == "gae":
             metrics["adv/tied"] = float(tied)
             metrics["adv/unearned"] = float(unearned)

@@ -37,6 +37,7 @@ from ppolm.core import (
     reinforce_pp_returns,
     remax_advantages,
     rloo_advantages,
+    score_center,
     score_unit,
     shape_rewards,
     value_loss,
@@ -706,6 +707,21 @@ def test_score_unit_leaves_the_measured_spread_alone() -> None:
     close(score_unit(2.0, "auto"), 4.0, atol=1e-12)
     with pytest.raises(ValueError, match="none, std or auto"):
         score_unit(1.0, "raw")
+
+
+def test_score_center_moves_only_an_offset_beyond_two_spreads() -> None:
+    assert score_center(3.0, 0.5, "none") == 0.0 and score_center(3.0, 0.5, "running") == 3.0
+    # auto: 3 - clip(3, -1, 1) = 2, the scores then average 1 = two stds of 0.5
+    close(score_center(3.0, 0.5, "auto"), 2.0, atol=1e-12)
+    close(score_center(-120.0, 10.0, "auto"), -100.0, atol=1e-12)  # -120 - (-20)
+    assert score_center(0.3, 0.4, "auto") == 0.0 and score_center(-0.8, 0.4, "auto") == 0.0  # inside the band
+    # a 0/1 reward earned by a share p: mean p, std sqrt(p (1 - p)); inside the band up to p = 0.8
+    for p, inside in ((0.02, True), (0.5, True), (0.79, True), (0.81, False), (0.95, False)):
+        assert (score_center(p, (p * (1 - p)) ** 0.5, "auto") == 0.0) == inside
+    close(score_center(0.95, (0.95 * 0.05) ** 0.5, "auto"), 0.95 - 2 * (0.95 * 0.05) ** 0.5, atol=1e-12)
+    assert score_center(-3.0, 0.0, "auto") == -3.0  # no spread yet: the whole mean
+    with pytest.raises(ValueError, match="none, running or auto"):
+        score_center(1.0, 1.0, "mean")
 
 
 # ----------------------------------------------------------------------------- diagnostics

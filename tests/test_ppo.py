@@ -26,6 +26,10 @@ def minus_three(prompts, completions, **kwargs):
     """A constant: added to another reward, it shifts every score by -3 (a reward model's offset)."""
     return [-3.0] * len(completions)
 
+def minus_six(prompts, completions, **kwargs):
+    """A larger constant offset."""
+    return [-6.0] * len(completions)
+
 def nothing(prompts, completions, **kwargs):
     """A reward no response earns."""
     return [0.0] * len(completions)
@@ -487,6 +491,36 @@ def test_centered_scores_make_ppo_independent_of_the_reward_offset(tiny_policy_d
     assert worst(plain, shifted) < 1e-5  # float rounding of (s - 3) - (mean - 3) against s - mean
     (raw, _), (raw3, _) = policy("n", "none", False), policy("n3", "none", True)
     assert worst(raw, raw3) > 1e-4
+
+
+def test_default_score_center_brings_any_large_offset_to_the_same_edge(tiny_policy_dir, tmp_path, reward_file):
+    """--score-center auto (the default) subtracts the running mean's part beyond two running stds
+    from 0: words - 3 and words - 6 both lie far beyond, so both are brought to mean + 2 std and
+    train the same policy (the std is the same, the offset is gone), each step logging
+    objective/score_center = mean + 2 std of every score so far (mean < 0). Under none they part."""
+    def policy(name: str, center: str, offset: str) -> tuple[PPOTrainer, dict[str, torch.Tensor], list[dict]]:
+        trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=3,
+                                      reward_fn=[f"{reward_file}:words", f"{reward_file}:{offset}"],
+                                      **({} if center == "default" else {"score_center": center})))
+        rows = trainer.train().metrics
+        return trainer, load_file(str(tmp_path / name / "policy" / "model.safetensors")), rows
+
+    def worst(a: dict, b: dict) -> float:
+        return max((a[k] - b[k]).abs().max().item() for k in a)
+
+    (t3, p3, rows3), (t6, p6, rows6) = policy("a3", "default", "minus_three"), policy("a6", "default", "minus_six")
+    assert t3.cfg.reward.score_center == "auto"
+    assert [r["objective/scores"] - 3 for r in rows3] == pytest.approx([r["objective/scores"] for r in rows6],
+                                                                      abs=1e-5)
+    assert worst(p3, p6) < 1e-5
+    for t, rows in ((t3, rows3), (t6, rows6)):
+        mean, std = t.score_scale.mean, t.score_scale.std
+        assert mean < -2 and 0 < std < 0.5
+        assert rows[-1]["objective/score_center"] == pytest.approx(mean + 2 * std, rel=1e-9)
+    assert rows6[-1]["objective/score_center"] == pytest.approx(rows3[-1]["objective/score_center"] - 3, abs=1e-6)
+    (_, n3, rows_n), (_, n6, _) = policy("n3", "none", "minus_three"), policy("n6", "none", "minus_six")
+    assert "objective/score_center" not in rows_n[0]
+    assert worst(n3, n6) > 1e-4
 
 
 def test_ptx_mix_and_target_kl(tiny_policy_dir, tmp_path, reward_file):
