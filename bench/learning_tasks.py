@@ -99,6 +99,7 @@ def maximum(task: str) -> float:
     """The best reward ``task`` gives (the top of its "share of the gap closed")."""
     return MAXIMUM.get(task, 1.0)
 
+
 HELD_OUT = [f"Write one sentence about {x}." for x in (
     "a lighthouse", "autumn leaves", "a train journey", "a chess game", "fresh bread", "a rainy afternoon",
     "a museum visit", "a mountain village")] + [f"Describe {x} in one short sentence." for x in (

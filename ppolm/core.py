@@ -643,8 +643,9 @@ class RunningScale:
     std ("reward scaling", Engstrom et al. 2020, "Implementation Matters in Deep Policy Gradients",
     sec. 3, ``--score-scale std``) makes --kl-coef mean the same for every reward; advantages are whitened afterwards, so
     the scale of the scores themselves does not otherwise matter. The running ``mean`` is what
-    ``--score-center`` subtracts (all of it, or by default its part beyond two stds: :func:`score_center`): a constant shift of every score changes no advantage once
-    the critic has learnt it, but the critic's value head starts at 0, and until then GAE with
+    ``--score-center`` subtracts (all of it, or by default its part beyond two stds:
+    :func:`score_center`): a constant shift of every score changes no advantage once the critic
+    has learnt it, but the critic's value head starts at 0, and until then GAE with
     lambda < 1 hands each response's late tokens more of the shift than its early ones.
     ``std`` is 0 until two scores seen differ (a reward nobody has earned yet carries no unit);
     :func:`score_unit` turns it into the divisor. Moments are combined per batch (Chan et al.
@@ -727,7 +728,7 @@ def score_center(mean: float, std: float, mode: str, band: float = SCORE_CENTER_
         return 0.0
     if mode == "running":
         return float(mean)
-    edge = band * max(float(std), 0.0)
+    edge = band * float(std)
     return float(mean) - min(max(float(mean), -edge), edge)
 
 

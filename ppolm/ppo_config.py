@@ -184,7 +184,6 @@ class KLConfig:
     kl_lr_boost: float = 1.0
     """Largest factor on the actor's learning rate while the KL is under --kl-target: each update's lr is --actor-lr (and its schedule) times clip(--kl-target / KL, 1, this), KL the mean over the previous batch (core.kl_lr_scale). A policy still far inside its KL budget, as while a rare reward is being found, then takes larger steps, and one at or past its target takes the plain --actor-lr. 1 = off. The lr logged is the one used."""
 
-
     @property
     def floor(self) -> float:
         """The adaptive coefficient's floor: --kl-coef-min, by default --kl-coef (beta starts at its floor)."""
