@@ -354,6 +354,9 @@ class Demo:
             # the proxy is normalised to unit std on the pairs' responses, the unit the demo's beta was
             # measured in; it keeps its raw scores rather than ppolm ppo's running scale
             score_scale="none",
+            # and no centring: the proxy is already shifted to mean 0 on those responses, and the
+            # demo's report was measured on its scores as they are
+            score_center="none",
             length_penalty=s.length_penalty, length_budget=s.length_budget,
             adaptive_kl=True, precision=self.precision, device=self.device.type, seed=self.cfg.seed, sample_every=1,
             save_every=1, keep_last=1, output_dir=str(out), overwrite=not resume, resume=resume, quiet=self.cfg.quiet)
