@@ -354,7 +354,7 @@ class Demo:
             # the proxy is normalised to unit std on the pairs' responses, the unit the demo's beta was
             # measured in; it keeps its raw scores rather than ppolm ppo's running scale
             score_scale="none",
-            # and no centring: the proxy is already shifted to mean 0 on those responses, and the
+            # and no centring: `ppolm reward` already shifts the proxy towards mean 0, and the
             # demo's report was measured on its scores as they are
             score_center="none",
             length_penalty=s.length_penalty, length_budget=s.length_budget,
