@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any
 
 from ppolm.errors import PPOLMError
@@ -80,6 +81,11 @@ SINGLE_PROCESS = ("demo", "report", "reward-eval")
 """Commands that run as one process only (the others run under torchrun: README, "Scaling out")."""
 
 
+SHARED_ERROR_WAIT_S = 30.0
+"""How long a torchrun process other than a machine's first waits to be stopped after an error every
+process finds alike (see ``main``)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -107,11 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     except PPOLMError as e:
         # Several processes (torchrun): an error every process finds alike (bad options or files,
         # found before they join) is printed once per machine, by its first process; one found by a
-        # single process after they joined, by that process.
+        # single process after they joined, by that process. The others wait for torchrun to stop
+        # them when the first exits: exiting first would let torchrun stop the first process before
+        # it has printed. One that is not stopped within the wait says the error itself.
         shared = isinstance(e, distributed.RankError) or not distributed.active()
-        if not shared or distributed.local_rank() == 0:
-            where = "" if distributed.is_main() else f"[rank {distributed.rank()}] "
-            print(f"error: {where}{e}", file=streams[1], flush=True)
+        if shared and distributed.local_rank() != 0 and distributed.launched_world_size() > 1:
+            time.sleep(SHARED_ERROR_WAIT_S)
+        where = "" if distributed.is_main() else f"[rank {distributed.rank()}] "
+        print(f"error: {where}{e}", file=streams[1], flush=True)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted; nothing was saved in this step (earlier checkpoints are intact)", file=sys.stderr)
