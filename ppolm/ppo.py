@@ -121,6 +121,11 @@ class PPOTrainer:
                                                   ceiling)
                        if k.adaptive_kl else core.FixedKLController(k.kl_coef))
         self.score_scale = core.RunningScale()
+        # A critic that keeps the reward model's head starts out predicting the scores as they come
+        # (offset and spread included): its output is moved into the returns' units with the same
+        # center and unit as the scores (Experience.value_units), so centring and scaling the scores
+        # leave it as close to the returns as it starts.
+        self.critic_in_score_units = self.critic_from_rm and not m.critic_zero_head
         self.prompt_order = PromptOrder(len(self.prompts), cfg.run.seed)
         self.skipped_total = 0
         self.consecutive_skips = 0
@@ -319,6 +324,7 @@ class PPOTrainer:
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
         unit, tied, unearned, zeroed = 1.0, False, False, False
+        value_units = 0.0, 1.0
         if a.advantage == "gae":
             if finite:  # (also kept under --score-scale none: --tied-scores compares with its mean)
                 mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
@@ -334,6 +340,9 @@ class PPOTrainer:
                 rewards = distributed.masked_whiten(rewards, mask, shift_mean=False)
 
             # 5. Advantages by GAE (gamma, lambda); returns = advantages + values; whitened per batch.
+            if self.critic_in_score_units:
+                value_units = center, unit
+                old_values = (old_values - center) / unit
             old_values = old_values * mask
             advantages, returns = core.gae(rewards, old_values, mask, a.gamma, a.lam)  # (B, R)
             if a.critic_lam is not None and a.critic_lam != a.lam:  # decoupled GAE: the critic's own lambda
@@ -359,7 +368,8 @@ class PPOTrainer:
         exp = ro.Experience(roll=roll, mask=mask, ref_logprobs=fo.ref_logprobs, old_logprobs=old_logprobs,
                             entropy=entropy, values=old_values, scores=scores, kl=kl, non_score=non_score,
                             rewards=rewards, advantages=advantages, returns=returns, critic_input=fo.critic_input,
-                            policy_entering=fo.policy_entering, first_pass=first_pass if fused else None)
+                            policy_entering=fo.policy_entering, first_pass=first_pass if fused else None,
+                            value_units=value_units)
         del first_pass
 
         # 6. PPO epochs: clipped policy and value losses on shuffled minibatches (skipped, and
@@ -501,6 +511,8 @@ class PPOTrainer:
                     if "dual_clipfrac" in pg:
                         logged.append(("dual_clipfrac", pg["dual_clipfrac"]))
                     if self.has_critic:
+                        center, unit = exp.value_units
+                        v = (v - center) / unit
                         vf_loss, vf = core.value_loss(v, exp.values[micro], exp.returns[micro], m_, a.vf_clip)
                         # separate critic: its own graph and optimiser; shared trunk: weighted sum
                         loss = loss + (a.vf_coef * vf_loss if self.value_head is not None else vf_loss) * tok_scale

@@ -102,6 +102,10 @@ class Experience:
     first_pass: tuple[torch.Tensor, ...] | None = None
     """(log-probs, entropy, values) of the rollout pass still holding its graph (one minibatch per
     epoch: the first epoch reuses it), or None. The update drops it after the first epoch."""
+    value_units: tuple[float, float] = (0.0, 1.0)
+    """(center, unit): the critic's output v counts as the value (v - center) / unit, in the units
+    of the returns. (0, 1) but for a critic that keeps the reward model's head, which predicts the
+    scores as they come; ``values`` are already in the returns' units."""
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -523,6 +523,38 @@ def test_default_score_center_brings_any_large_offset_to_the_same_edge(tiny_poli
     assert worst(n3, n6) > 1e-4
 
 
+def test_a_critic_that_keeps_the_reward_models_head_meets_the_scores_in_their_units(tiny_policy_dir, tiny_rm_dir,
+                                                                                    tmp_path, reward_file):
+    """A reward model whose scores sit at 50 with a spread of ~20 (its stored bias and gain): the
+    critic started from its head (--critic-init reward, the default) predicts them as they come,
+    so its output v counts as the value (v - center) / unit, with the center and unit the scores
+    get. On the first step (KL 0) the returns are then (raw returns - center) / unit and so are
+    the values: every value error is the raw one over the unit, and the value loss of the first
+    update (one epoch, one minibatch: the rollout's own values) is that of --score-center none
+    --score-scale none over unit squared."""
+    import shutil
+
+    rm = tmp_path / "rm50"
+    shutil.copytree(tiny_rm_dir, rm)
+    (rm / "ppolm_reward.json").write_text(json.dumps({"gain": 40.0, "bias": 50.0}))
+
+    def run(name: str, **over) -> tuple[PPOTrainer, list[dict]]:
+        trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=1, ppo_epochs=1,
+                                      minibatches=1, reward_model=[str(rm)], **over))
+        return trainer, trainer.train().metrics
+
+    kept, rows = run("kept")
+    assert kept.critic_in_score_units and kept.cfg.reward.score_center == "auto"
+    mean, std = kept.score_scale.mean, kept.score_scale.std
+    assert rows[0]["objective/score_center"] == pytest.approx(mean - 2 * std, rel=1e-9) and mean > 45
+    unit = rows[0]["objective/score_scale"]
+    assert unit > 10
+    _, raw = run("raw", score_center="none", score_scale="none")
+    assert rows[0]["loss/value_avg"] == pytest.approx(raw[0]["loss/value_avg"] / unit ** 2, rel=1e-4)
+    zeroed, _ = run("zero", critic_zero_head=True)
+    assert not zeroed.critic_in_score_units
+
+
 def test_ptx_mix_and_target_kl(tiny_policy_dir, tmp_path, reward_file):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("The quick brown fox jumps over the lazy dog.\nA stitch in time saves nine.\n")
