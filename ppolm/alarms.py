@@ -154,6 +154,11 @@ def advantage_explosion(rows: Rows, *, factor: float = 100.0, window: int = 3) -
     return None
 
 
+VALUE_FAR_OFF = -1.0
+"""Explained variance below which :func:`value_not_learning` points at the critic's start rather
+than its learning rate: an error variance twice the returns' own."""
+
+
 def value_not_learning(rows: Rows, *, min_steps: int = 6, window: int = 5) -> Alarm | None:
     """Value function not learning: from the ``min_steps``-th (6th) step on, the rolling mean of
     ``val/vf_explained_var`` over ``window`` (5) steps is <= 0, i.e. the critic predicts returns
@@ -168,10 +173,16 @@ def value_not_learning(rows: Rows, *, min_steps: int = 6, window: int = 5) -> Al
     for i in range(min_steps - 1, len(vals)):
         now = _rolling(vals, i, window)
         if now <= 0:
+            # Far below 0 the values are further from the returns than their mean is: the mark of a
+            # critic that kept a reward model's head, which scores partial responses as if finished.
+            advice = ("its values are further from the returns than their mean: if it kept a reward model's head, "
+                      "start that head at zero with --critic-zero-head, or raise --critic-lr"
+                      if now < VALUE_FAR_OFF else
+                      "raise --critic-lr, train more of its layers with --critic-layers, or start it from a reward "
+                      "model with --critic-init reward")
             return Alarm("value_not_learning", s[i][0], f"value explained variance is {now:.2f} over "
-                         f"{min(window, i + 1)} steps (<= 0): the critic is not learning (raise --critic-lr, train "
-                         "more of its layers with --critic-layers, or start it from a reward model with "
-                         "--critic-init reward)", {"explained_var": now})
+                         f"{min(window, i + 1)} steps (<= 0): the critic is not learning ({advice})",
+                         {"explained_var": now})
     return None
 
 

@@ -109,6 +109,9 @@ def test_value_not_learning():
     marked = [r["step"] for r in late if live(r["step"], {k: v for k, v in r.items() if k != "step"})]
     assert marked == [5] and [a.step for a in alarms.check_all(late)] == [5]
     assert alarms.value_not_learning(rows(4, **{"val/vf_explained_var": -1.0})) is None  # too early to say
+    assert "--critic-lr" in a.message and "--critic-zero-head" not in a.message
+    far = alarms.value_not_learning(rows(8, **{"val/vf_explained_var": lambda i: -7.0 + 0.5 * i}))
+    assert far.step == 5 and "--critic-zero-head" in far.message  # mean of steps 1-5: -5.5
     # batches with all scores tied (adv/tied 1) do not count: here every third, at -3, would pull
     # the mean of the last 5 below 0; without them it is 0.25 (and 6 rows are needed to judge)
     tied = rows(18, **{"val/vf_explained_var": lambda i: -3.0 if i % 3 == 0 else 0.25,
