@@ -18,7 +18,7 @@ completion length (both estimate the same KL of the sampling policy to the refer
 
     python bench/learning.py --out /tmp/learning [--tasks exclaim,short,keyword,question]
         [--systems ppo,grpo] [--grpo-lrs 5e-5,1e-4] [--trl-python /path/to/venv-with-trl/bin/python]
-        [--ppo-args "--actor-lr 1e-5"] [--tag NAME] [--kl-target 6] [--seed 0] [--jobs 2] [--keep-models]
+        [--ppo-args "--actor-lr 1e-5"] [--tag NAME] [--kl-target 12] [--seed 0] [--jobs 2] [--keep-models]
 
 (`--ppo-args "--score-scale std --kl-coef 0.05" --tag std` runs every score in units of its running std.)
 

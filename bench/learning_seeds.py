@@ -8,7 +8,7 @@ the mean training reward at equal KL (bench/learning.py's frontier: best 8-step 
 stays within the budget) of each system, their mean paired difference A - B with its standard
 error, and on how many seeds each was ahead.
 
-    python bench/learning_seeds.py /tmp/L/out --a ppo-defaults --b grpo [--kl-target 6]
+    python bench/learning_seeds.py /tmp/L/out --a ppo-defaults --b grpo [--kl-target 12]
 
 --a and --b name a system as bench/learning.py keys it (`ppo-<tag>`, `grpo-lr<lr>`), or a prefix
 that matches one system per task (`grpo`: the one learning rate run for that task). A run that
@@ -82,8 +82,12 @@ def main() -> None:
     ap.add_argument("dirs", nargs="+", type=Path, help="directories holding bench/learning.py results")
     ap.add_argument("--a", default="ppo-defaults", help="system A (default ppo-defaults)")
     ap.add_argument("--b", default="grpo", help="system B (default: the task's one GRPO learning rate)")
-    ap.add_argument("--kl-target", type=float, default=6.0, help="budgets: this and twice it (default 6)")
+    ap.add_argument("--kl-target", type=float, default=None,
+                    help="budgets: this and twice it (default: ppolm ppo's --kl-target)")
     args = ap.parse_args()
+    if args.kl_target is None:
+        from ppolm.ppo_config import PPOConfig
+        args.kl_target = PPOConfig().kl.kl_target
     budgets = (args.kl_target, 2 * args.kl_target)
     runs = collect(args.dirs, budgets)
     if not runs:

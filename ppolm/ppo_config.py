@@ -22,7 +22,7 @@ KL_IN_LOSS_ESTIMATORS = ("grpo", "dr-grpo", "rloo", "remax")
 KL_PENALTY_AT_TARGET = 0.48
 """The default ceiling on beta (--kl-coef-max) is this over --kl-target: the KL penalty of a policy at
 its target, beta * target, is then at most 0.48 score units, about the widest spread of scores (0.5)
-that --score-scale auto leaves as it is (0.08 at the default target of 6 nats)."""
+that --score-scale auto leaves as it is (0.04 at the default target of 12 nats)."""
 
 
 @dataclass
@@ -171,12 +171,12 @@ class KLConfig:
     """auto: in the reward for gae, reinforce++ and reinforce++-baseline, in the loss for grpo, dr-grpo, rloo and remax (as GRPO); config.yaml records the choice. reward: fold the KL penalty into the per-token reward (InstructGPT; for the score-based estimators the score becomes score - beta * sequence KL); loss: add beta*KL to the policy loss. In the loss the KL is always the k3 estimator (as GRPO; Schulman, "Approximating KL divergence"): k1's gradient does not depend on the reference, so it would pull toward nothing. --kl-estimator then sets only the reported KL (objective/kl) and the adaptive controller's input."""
     adaptive_kl: bool = True
     """Adapt beta to keep KL near --kl-target (Ziegler et al. 2019); off = fixed beta."""
-    kl_target: float = 6.0
-    """Target KL (nats per response, summed over tokens) for the adaptive controller."""
+    kl_target: float = 12.0
+    """Target KL (nats per response, summed over tokens) for the adaptive controller. 12: with Ziegler et al.'s 6 (for 24-token continuations) the policy passed the target while it learnt a reward and beta then pulled it back from what it had learnt; on 10 rule-based rewards (bench/learning.py, 40 updates of 8, 32 tokens) 12 learnt as much within 12 nats and held far more of it at the end (docs/learning.md, "A target of 12 nats"). For a learned reward model, whose score a policy can over-optimise (Gao et al. 2022), a smaller target is the safer budget."""
     kl_coef_min: float | None = None
     """Floor of the adaptive coefficient: beta never falls below it. None = --kl-coef: beta starts at its floor, rises while the KL is above --kl-target and falls back, never below, while it is under. Without a floor (0, Ziegler et al.'s controller) beta winds down while the KL is still small, as it is for the many updates a rare reward takes to be found, and the KL then ran to 3x its target before beta had climbed back (bench/learning.py)."""
     kl_coef_max: float | None = None
-    """Ceiling of the adaptive coefficient: beta never rises above it (>= --kl-coef and --kl-coef-min; inf = no ceiling, as Ziegler et al.). None (default) = KL_PENALTY_AT_TARGET / --kl-target, 0.08 at the default target, where PPO (--advantage gae) runs with --score-scale auto and that value is at least --kl-coef and the floor; no ceiling otherwise (raw or hand-scaled scores, a hand-set beta above it, the critic-free estimators). config.yaml records the value used. Past it the penalty of a KL at its target outweighs most of a score in [0, 1] (--score-scale auto leaves a spread of at most 0.5), so a beta that climbed there threw the policy back below its target instead of holding it there: without a ceiling, runs of 100 updates swung between twice the target and a collapsed reward for 20-30 updates at a time; with it they held their reward (docs/learning.md, "A ceiling on beta" and "Runs longer than 40 updates")."""
+    """Ceiling of the adaptive coefficient: beta never rises above it (>= --kl-coef and --kl-coef-min; inf = no ceiling, as Ziegler et al.). None (default) = KL_PENALTY_AT_TARGET / --kl-target, 0.04 at the default target, where PPO (--advantage gae) runs with --score-scale auto and that value is at least --kl-coef and the floor; no ceiling otherwise (raw or hand-scaled scores, a hand-set beta above it, the critic-free estimators). config.yaml records the value used. Past it the penalty of a KL at its target outweighs most of a score in [0, 1] (--score-scale auto leaves a spread of at most 0.5), so a beta that climbed there threw the policy back below its target instead of holding it there: without a ceiling, runs of 100 updates swung between twice the target and a collapsed reward for 20-30 updates at a time; with it they held their reward (docs/learning.md, "A ceiling on beta" and "Runs longer than 40 updates")."""
     kl_error_clip: float = 0.2
     """The adaptive controller's largest relative step per horizon: beta *= 1 + clip(KL/target - 1, +-this) / --kl-horizon (0.2, Ziegler et al. 2019's; in (0, 1))."""
     kl_horizon: int = 1

@@ -247,13 +247,13 @@ def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
 
 
 @pytest.mark.parametrize("options, want", [
-    ({}, 0.08),  # 0.48 / 6
-    ({"kl_target": 12.0}, 0.04),
+    ({}, 0.04),  # 0.48 / 12
+    ({"kl_target": 6.0}, 0.08),
     ({"kl_target": 3.0}, 0.16),
     ({"kl_coef_max": 0.2}, 0.2),  # given: kept
     ({"kl_coef_max": "inf"}, math.inf),  # no ceiling, as Ziegler et al.
-    ({"kl_coef": 0.05, "kl_coef_min": 0.02}, 0.08),
-    ({"kl_coef": 0.1}, math.inf),  # a hand-set beta above 0.08: no ceiling rather than a fixed beta
+    ({"kl_coef": 0.03, "kl_coef_min": 0.02}, 0.04),
+    ({"kl_coef": 0.05}, math.inf),  # a hand-set beta above 0.04: no ceiling rather than a fixed beta
     ({"kl_coef": 0.01, "kl_coef_min": 0.09}, math.inf),  # a floor above it
     ({"score_scale": "none"}, math.inf),  # raw scores: beta is in the reward's own unknown units
     ({"score_scale": "std"}, math.inf),

@@ -277,11 +277,11 @@ def test_a_run_saved_without_a_ceiling_on_beta_resumes_with_kl_coef_max_inf(micr
     assert main(ppo_args(micro_dir, reward_file, out, steps=1, extra=extra)) == 0
     saved = out / "config.yaml"
     text = saved.read_text()
-    assert "kl_coef_max: 0.08" in text
-    saved.write_text(text.replace("kl_coef_max: 0.08", "kl_coef_max: null"))
+    assert "kl_coef_max: 0.04" in text
+    saved.write_text(text.replace("kl_coef_max: 0.04", "kl_coef_max: null"))
     capsys.readouterr()
     assert main(ppo_args(micro_dir, reward_file, out, steps=2, extra=extra + ["--resume"])) == 2
-    assert "(kl_coef_max: inf then, 0.08 now)" in capsys.readouterr().err
+    assert "(kl_coef_max: inf then, 0.04 now)" in capsys.readouterr().err
     assert main(ppo_args(micro_dir, reward_file, out, steps=2, extra=extra + ["--resume", "--kl-coef-max", "inf"])) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
