@@ -647,15 +647,22 @@ class RunningScale:
     :func:`score_center`): a constant shift of every score changes no advantage once the critic
     has learnt it, but the critic's value head starts at 0, and until then GAE with
     lambda < 1 hands each response's late tokens more of the shift than its early ones.
-    ``std`` is 0 until two scores seen differ (a reward nobody has earned yet carries no unit);
-    :func:`score_unit` turns it into the divisor. Moments are combined per batch (Chan et al.
-    1979), in float64.
+    ``std`` is 0 until two scores seen differ (a reward nobody has earned yet carries no unit).
+    Moments are combined per batch (Chan et al. 1979), in float64.
+
+    :func:`score_unit` takes ``spread``, not ``std``: the spread of the scores around their own
+    batch's mean, pooled over every batch. ``std`` also counts how far the batch means moved
+    apart, i.e. the policy's progress: a reward the policy climbs from -120 to -10 has a running
+    std of ~100 by the end while the answers of one batch differ by ~10, so dividing by ``std``
+    would shrink the differences PPO learns from tenfold, below the KL penalty, just as the
+    policy got good. Advantages compare answers within a batch, so their spread is the unit.
     """
 
     def __init__(self) -> None:
         self.count: float = 0.0
         self.mean: float = 0.0
-        self.m2: float = 0.0  # sum of squared deviations from the mean
+        self.m2: float = 0.0  # sum of squared deviations from the mean of every score
+        self.within_m2: float = 0.0  # sum of squared deviations from each score's own batch mean
 
     def update(self, count: float, mean: float, m2: float) -> None:
         """Add a batch: its number of scores, their mean and their sum of squared deviations."""
@@ -664,6 +671,7 @@ class RunningScale:
         total = self.count + count
         delta = mean - self.mean
         self.m2 += m2 + delta * delta * self.count * count / total
+        self.within_m2 += m2
         self.mean += delta * count / total
         self.count = total
 
@@ -673,11 +681,20 @@ class RunningScale:
         var = self.m2 / self.count if self.count else 0.0
         return math.sqrt(var) if var > 1e-12 else 0.0
 
+    @property
+    def spread(self) -> float:
+        """The pooled within-batch std (see above); ``std`` where no batch had two scores that
+        differ (batches of one score); 0 until two scores seen differ."""
+        var = self.within_m2 / self.count if self.count else 0.0
+        return math.sqrt(var) if var > 1e-12 else self.std
+
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+        return {"count": self.count, "mean": self.mean, "m2": self.m2, "within_m2": self.within_m2}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count, self.mean, self.m2 = float(state["count"]), float(state["mean"]), float(state["m2"])
+        # (checkpoints written before the within-batch spread: their pooled std stands in for it)
+        self.within_m2 = float(state.get("within_m2", self.m2))
 
 
 SCORE_SPREAD = (0.05, 0.5)
@@ -687,7 +704,8 @@ beta of 0.01 per reward unit was measured."""
 
 
 def score_unit(std: float, mode: str, spread: tuple[float, float] = SCORE_SPREAD) -> float:
-    """The divisor of the scores before the KL penalty, from their running std (:class:`RunningScale`).
+    """The divisor of the scores before the KL penalty, from their spread ``std`` (PPO passes
+    :attr:`RunningScale.spread`, the pooled std within batches).
 
     none: 1 (raw scores). std: ``std`` (scores in units of their spread; beta per std). auto:
     ``std / clip(std, lo, hi)``: 1 while the spread lies in ``spread``, else the factor that brings

@@ -315,9 +315,9 @@ class PPOTrainer:
         t_score = time.perf_counter()
 
         # 4. Per-token KL vs the reference; the score lands on each response's last real token.
-        #    The score is divided by core.score_unit of the running std of every score so far
-        #    (--score-scale): by default only a reward whose spread lies outside the range the
-        #    default beta was measured on is rescaled to it. --score-center first subtracts the
+        #    The score is divided by core.score_unit of the spread of the scores within their
+        #    batches, pooled over the run (--score-scale): by default only a reward whose spread
+        #    lies outside the range the default beta was measured on is rescaled to it. --score-center first subtracts the
         #    running mean's part beyond two running stds (all of it with "running"), so that the
         #    zero-initialised critic starts no further from the returns than on a [0, 1] reward.
         beta = self.kl_ctl.value
@@ -329,7 +329,7 @@ class PPOTrainer:
             if finite:  # (also kept under --score-scale none: --tied-scores compares with its mean)
                 mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
                 self.score_scale.update(n, float(mean), float(var) * n)
-            unit = core.score_unit(self.score_scale.std, cfg.reward.score_scale)
+            unit = core.score_unit(self.score_scale.spread, cfg.reward.score_scale)
             center = core.score_center(self.score_scale.mean, self.score_scale.std, cfg.reward.score_center)
             rewards, non_score = core.shape_rewards((scores - center) / unit, kl,
                                                     beta if cfg.kl.kl_in == "reward" else 0.0, mask)

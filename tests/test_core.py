@@ -698,6 +698,37 @@ def test_running_scale_is_the_std_of_every_score_seen() -> None:
     assert restored.state_dict() == scale.state_dict()
 
 
+def test_running_scale_spread_is_the_pooled_std_within_each_batch() -> None:
+    """The divisor of the scores comes from their spread around their own batch's mean, not from
+    how far the batch means moved apart (the policy's progress)."""
+    scale = RunningScale()
+    assert scale.spread == 0.0
+    # [0, 0], [1, 3], [5], [-1, 2, 2]: squared deviations within each batch 0, 2, 0 and 6 (mean 1:
+    # 4 + 1 + 1), 8 over 8 scores -> var 1, while all eight together have a std of ~1.73
+    for count, mean, m2 in ((2, 0.0, 0.0), (2, 2.0, 2.0), (1, 5.0, 0.0), (3, 1.0, 6.0)):
+        scale.update(count, mean, m2)
+    close(scale.spread, 1.0, atol=1e-12)
+    assert scale.std > 1.7
+    # batch means that drift apart (-120, then -60, then -10, each batch spread +-5) leave the spread at 5
+    drift = RunningScale()
+    for mean in (-120.0, -60.0, -10.0):
+        drift.update(4, mean, 4 * 25.0)
+    close(drift.spread, 5.0, atol=1e-12)
+    assert drift.std > 40
+    # batches of one score have no spread of their own: the std of all of them stands in
+    ones = RunningScale()
+    for x in (1.0, 3.0):
+        ones.update(1, x, 0.0)
+    assert ones.spread == ones.std == 1.0
+    restored = RunningScale()
+    restored.load_state_dict(scale.state_dict())
+    assert restored.spread == scale.spread
+    old = RunningScale()  # a checkpoint written before the spread was kept: its std stands in
+    old.load_state_dict({"count": 8.0, "mean": 1.0, "m2": 24.0})
+    close(old.spread, math.sqrt(3.0), atol=1e-12)
+    assert old.spread == old.std
+
+
 def test_score_unit_leaves_the_measured_spread_alone() -> None:
     assert score_unit(0.0, "auto") == score_unit(0.0, "std") == 1.0  # no spread yet: raw
     assert score_unit(0.2, "none") == 1.0 and score_unit(0.2, "std") == 0.2

@@ -41,6 +41,14 @@ def mastered(prompts, completions, **kwargs):
     CALLS.append(len(completions))
     return [float(i % 2) for i in range(len(completions))] if len(CALLS) == 1 else [1.0] * len(completions)
 
+CLIMB = []
+
+def climbing(prompts, completions, **kwargs):
+    """A reward a policy climbs: each batch's mean 50 above the last (-100, -50, 0, ...), its
+    answers 0, 2, 4, ... apart around it."""
+    CLIMB.append(len(completions))
+    return [-100.0 + 50.0 * (len(CLIMB) - 1) + 2.0 * i for i in range(len(completions))]
+
 ONCE = []
 
 def once(prompts, completions, **kwargs):
@@ -465,6 +473,21 @@ def test_scaled_scores_make_the_kl_coefficient_independent_of_the_reward_scale(t
     (raw, _), (raw_smaller, _) = policy("raw", score_scale="none", reward_fn_weights=[0.01]), \
         policy("raw-smaller", score_scale="none", reward_fn_weights=[0.001])
     assert worst(raw, raw_smaller) > 1e-5  # (scaled: ~1e-8 apart, float rounding)
+
+
+def test_the_score_unit_follows_the_spread_within_batches_not_the_climb(tiny_policy_dir, tmp_path, reward_file):
+    """A reward whose batch means climb by 50 an update while the answers of a batch lie 0, 2, 4, 6
+    around their mean (variance (9 + 1 + 1 + 9) / 4 = 5): the score unit stays at sqrt(5) / 0.5
+    (--score-scale auto, a spread above 0.5 brought to 0.5) at every step, however far the means
+    have moved apart (their running std is ~40 after three batches), so the progress does not
+    shrink the differences between answers below the KL penalty."""
+    trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / "climb", reward_file, steps=3,
+                                  reward_fn=[f"{reward_file}:climbing"]))
+    rows = trainer.train().metrics
+    assert [r["objective/scores"] for r in rows] == pytest.approx([-97.0, -47.0, 3.0])
+    assert [r["objective/score_scale"] for r in rows] == pytest.approx([math.sqrt(5) / 0.5] * 3, rel=1e-9)
+    close_std = math.sqrt(((-97.0 + 47.0) ** 2 + 0.0 + (3.0 + 47.0) ** 2) / 3 + 5.0)  # between + within
+    assert trainer.score_scale.std == pytest.approx(close_std, rel=1e-9) and close_std > 40
 
 
 def test_centered_scores_make_ppo_independent_of_the_reward_offset(tiny_policy_dir, tmp_path, reward_file):
