@@ -317,9 +317,10 @@ class PPOTrainer:
         # 4. Per-token KL vs the reference; the score lands on each response's last real token.
         #    The score is divided by core.score_unit of the spread of the scores within their
         #    batches, pooled over the run (--score-scale): by default only a reward whose spread
-        #    lies outside the range the default beta was measured on is rescaled to it. --score-center first subtracts the
-        #    running mean's part beyond two running stds (all of it with "running"), so that the
-        #    zero-initialised critic starts no further from the returns than on a [0, 1] reward.
+        #    lies outside the range the default beta was measured on is rescaled to it.
+        #    --score-center first subtracts the running mean's part beyond two running stds (all
+        #    of it with "running"), so that the zero-initialised critic starts no further from
+        #    the returns than on a [0, 1] reward.
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
