@@ -3,7 +3,7 @@
 For each task of bench/learning_tasks.py (by default the four the defaults were chosen on:
 punctuation, word budget, vocabulary, format; `--tasks digit,caps,senses,comma,quote,length20` runs six added afterwards) and each
 system, train the embedded SmolLM2-135M-Instruct for --steps steps of 8 samples with at most 32 new
-tokens, then score it *independently*: plain transformers sampling at temperature 1 (no top-k/top-p),
+tokens (`--response-length`), then score it *independently*: plain transformers sampling at temperature 1 (no top-k/top-p),
 4 samples for each of 32 held-out prompts, and the KL to the starting model measured on those
 samples (nats per response, sum over tokens of log p - log p_ref). "closed" is the share of the gap
 from the starting model's held-out reward to the maximum (1; 0 for length20) that training closed.
@@ -55,7 +55,8 @@ sys.path.insert(0, str(HERE))
 from learning_tasks import HELD_OUT, TASKS, maximum  # noqa: E402
 
 
-def score(model_dir: str | Path, ref_dir: str | Path, task: str, samples: int = 4, seed: int = 1234) -> dict:
+def score(model_dir: str | Path, ref_dir: str | Path, task: str, samples: int = 4, seed: int = 1234,
+          max_new_tokens: int = 32) -> dict:
     """Held-out reward (mean, se over prompts) and KL to the reference, sampling at temperature 1."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,7 +75,7 @@ def score(model_dir: str | Path, ref_dir: str | Path, task: str, samples: int = 
     for i in range(0, len(prompts), 64):  # decoding is memory-bound: 64 sequences cost little more than 4
         enc = tok(texts_in[i:i + 64], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=32,
+            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                                  eos_token_id=eos, pad_token_id=tok.pad_token_id)
         p = enc["input_ids"].shape[1]
         resp = out[:, p:]
@@ -182,6 +183,9 @@ def main() -> None:
     ap.add_argument("--ppo-args", default="", help="extra ppolm ppo options (a variant of the defaults)")
     ap.add_argument("--tag", default="defaults", help="name of the ppolm variant in the table")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--response-length", type=int, default=32,
+                    help="most new tokens per answer, in training and in held-out scoring (default 32; "
+                         "ppolm ppo's own default is 48); one --out holds runs of one length")
     ap.add_argument("--kl-target", type=float, default=None,
                     help="KL budget of the equal-KL table (default: ppolm ppo's --kl-target)")
     ap.add_argument("--jobs", type=int, default=1,
@@ -191,10 +195,15 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    other = {r.get("response_length", 32) for r in results.values()} - {args.response_length}
+    if other:  # runs of another length are another experiment: their rewards and KL are not comparable
+        sys.exit(f"error: {out} holds runs of --response-length {sorted(other)[0]}; give --response-length "
+                 f"{sorted(other)[0]} or another --out for runs of {args.response_length}")
+    length = {"response_length": args.response_length}
     from ppolm.models import EMBEDDED_DEFAULT, resolve_model_dir
 
     ref = resolve_model_dir(EMBEDDED_DEFAULT)
-    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
 
     def save() -> None:
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -202,17 +211,20 @@ def main() -> None:
     jobs = []  # (result key, command, subdirectory holding the policy)
     for task in args.tasks.split(","):
         if f"{task}/start" not in results:
-            results[f"{task}/start"] = {**score(ref, ref, task), "wall_s": 0.0}
+            results[f"{task}/start"] = {**score(ref, ref, task, max_new_tokens=args.response_length), "wall_s": 0.0,
+                                        **length}
             save()
         if "ppo" in args.systems:
             jobs.append((f"{task}/ppo-{args.tag}", [sys.executable, "-m", "ppolm.cli", "ppo", "--reward-fn",
-                         f"{HERE / 'learning_tasks.py'}:{task}", "--steps", str(args.steps), "--response-length", "32",
+                         f"{HERE / 'learning_tasks.py'}:{task}", "--steps", str(args.steps),
+                         "--response-length", str(args.response_length),
                          "--seed", str(args.seed), "--quiet", "--overwrite", "--save-every", str(args.steps),
                          "--keep-last", "1", *shlex.split(args.ppo_args)], "policy"))  # one checkpoint (each holds Adam states)
         if "grpo" in args.systems and args.trl_python:
             for lr in args.grpo_lrs.split(","):
                 jobs.append((f"{task}/grpo-lr{lr}", [args.trl_python, str(HERE / "trl_grpo.py"), "--model", str(ref),
-                             "--task", task, "--lr", lr, "--steps", str(args.steps), "--seed", str(args.seed)], ""))
+                             "--task", task, "--lr", lr, "--steps", str(args.steps), "--seed", str(args.seed),
+                             "--max-completion-length", str(args.response_length)], ""))
     jobs = [j for j in jobs if j[0] not in results]
 
     def train(job: tuple[str, list[str], str]) -> float:
@@ -228,8 +240,8 @@ def main() -> None:
         if sub == "policy":
             rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
             metrics = {"train_kl_last": rows[-1]["objective/kl"], "beta_last": rows[-1]["objective/kl_coef"]}
-        results[key] = {**score(d / sub if sub else d, ref, task_of(key)), "wall_s": round(wall, 1), **metrics,
-                        "machine": machine(), "seed": args.seed}
+        results[key] = {**score(d / sub if sub else d, ref, task_of(key), max_new_tokens=args.response_length),
+                        "wall_s": round(wall, 1), **metrics, "machine": machine(), "seed": args.seed, **length}
         save()
         print(key, json.dumps(results[key]), flush=True)
         if not args.keep_models:

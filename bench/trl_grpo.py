@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-completion-length", type=int, default=32)
     args = ap.parse_args()
 
     import torch
@@ -38,7 +39,8 @@ def main() -> None:
     rows = [json.loads(x) for x in (HERE.parent / "ppolm" / "data" / "prompts.jsonl").read_text().splitlines()]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows])
     cfg = GRPOConfig(output_dir=args.out, learning_rate=args.lr, max_steps=args.steps, per_device_train_batch_size=8,
-                     num_generations=8, max_completion_length=32, beta=0.04, temperature=1.0, logging_steps=1,
+                     num_generations=8, max_completion_length=args.max_completion_length, beta=0.04, temperature=1.0,
+                     logging_steps=1,
                      save_strategy="no", report_to=[], seed=args.seed, use_cpu=True, bf16=False,
                      gradient_accumulation_steps=1)
     t = time.perf_counter()

@@ -69,3 +69,17 @@ def test_drop_weights_keeps_a_model_folder_at_the_top_without_its_weights(tmp_pa
     assert learning.drop_weights(tmp_path) == size
     assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "log_history.json"]
     assert learning.trajectory(tmp_path) == [(0.5, 2.0)]
+
+
+def test_an_out_dir_of_another_response_length_is_refused_untouched(tmp_path, monkeypatch, capsys):
+    # scores of 32-token answers and of 48-token ones are different experiments: one --out, one length
+    results = tmp_path / "results.json"
+    results.write_text('{"exclaim/start": {"reward": 0.02, "se": 0.01, "kl": 0.0, "wall_s": 0.0}}')
+    before = results.read_bytes()
+    monkeypatch.setattr(sys, "argv", ["learning.py", "--out", str(tmp_path), "--tasks", "exclaim",
+                                      "--systems", "ppo", "--response-length", "48"])
+    with pytest.raises(SystemExit) as stop:
+        learning.main()
+    assert "holds runs of --response-length 32" in str(stop.value)
+    assert "--response-length 32 or another --out" in str(stop.value)
+    assert results.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["results.json"]
