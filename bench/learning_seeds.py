@@ -3,7 +3,8 @@
 One seed of a sparse reward says little (on keyword the system ahead changes from seed to seed), so
 this reads every results.json under the given directories (one bench/learning.py --out per seed,
 or one for many), pairs the runs of system A and system B that share a task, a seed and a machine
-(the same seed on another CPU is another draw of the run), and prints for each task and KL budget
+(the same seed on another CPU is another draw of the run) and an answer length (`exclaim@48` for
+runs of `--response-length 48`; 32 is the plain task name), and prints for each task and KL budget
 the mean training reward at equal KL (bench/learning.py's frontier: best 8-step mean whose mean KL
 stays within the budget) of each system, their mean paired difference A - B with its standard
 error, and on how many seeds each was ahead.
@@ -40,7 +41,8 @@ def seed_of(entry: dict, out: Path) -> int | None:
 
 
 def collect(dirs: list[Path], budgets: tuple[float, ...]) -> dict:
-    """{(task, system): {(seed, machine): [reward at each budget]}} over every results.json found."""
+    """{(task, system): {(seed, machine): [reward at each budget]}} over every results.json found; a
+    task's runs of another answer length than 32 tokens are the task `task@length`."""
     runs: dict = defaultdict(dict)
     for results_file in sorted(f for d in dirs for f in d.rglob("results.json")):
         out = results_file.parent
@@ -55,7 +57,9 @@ def collect(dirs: list[Path], budgets: tuple[float, ...]) -> dict:
                 continue
             start = results[f"{task}/start"]["reward"]
             cells = [frontier(traj, b) for b in budgets]
-            runs[(task, system)][(seed, entry.get("machine", "?"))] = [start if c is None else c[0] for c in cells]
+            length = entry.get("response_length", 32)
+            label = task if length == 32 else f"{task}@{length}"
+            runs[(label, system)][(seed, entry.get("machine", "?"))] = [start if c is None else c[0] for c in cells]
     return runs
 
 
@@ -95,7 +99,7 @@ def main() -> None:
     by_task: dict = defaultdict(set)
     for task, system in runs:
         by_task[task].add(system)
-    print(f"{'task':9} {'A':16} {'B':16} {'budget':>7} {'seeds':>5} {'A':>7} {'B':>7} {'A - B':>16} "
+    print(f"{'task':11} {'A':16} {'B':16} {'budget':>7} {'seeds':>5} {'A':>7} {'B':>7} {'A - B':>16} "
           f"{'A ahead':>7} {'B ahead':>7}")
     for task in sorted(by_task):
         sa, sb = resolve(args.a, task, by_task[task]), resolve(args.b, task, by_task[task])
@@ -109,7 +113,7 @@ def main() -> None:
             b = [runs[(task, sb)][k][i] for k in keys]
             mean, se = paired(a, b)
             ahead_a, ahead_b = sum(x > y for x, y in zip(a, b)), sum(y > x for x, y in zip(a, b))
-            print(f"{task:9} {sa:16} {sb:16} {'<= ' + format(budget, 'g'):>7} {len(keys):5d} "
+            print(f"{task:11} {sa:16} {sb:16} {'<= ' + format(budget, 'g'):>7} {len(keys):5d} "
                   f"{sum(a) / len(a):7.3f} {sum(b) / len(b):7.3f} {mean:+8.3f} ± {se:5.3f} {ahead_a:7d} {ahead_b:7d}")
 
 

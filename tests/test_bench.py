@@ -3,6 +3,7 @@ weights without touching the logs its tables read (on a real micro PPO run)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -83,3 +84,27 @@ def test_an_out_dir_of_another_response_length_is_refused_untouched(tmp_path, mo
     assert "holds runs of --response-length 32" in str(stop.value)
     assert "--response-length 32 or another --out" in str(stop.value)
     assert results.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_seeds_pair_runs_of_one_answer_length_only(tmp_path):
+    import learning_seeds
+
+    # one seed on one machine at two answer lengths: two tasks for the pairing, neither overwriting the other
+    for length, rewards in ((32, (0.1, 0.3)), (48, (0.5, 0.9))):
+        out = tmp_path / f"len{length}"
+        entries = {"exclaim/start": {"reward": 0.0, "response_length": length}}
+        for system, top in zip(("ppo-defaults", "grpo-lr5e-5"), rewards):
+            entries[f"exclaim/{system}"] = {"seed": 0, "machine": "cpu", "response_length": length}
+            run = out / f"exclaim__{system}"
+            run.mkdir(parents=True)
+            rows = [{"objective/scores": top * (i >= 8), "objective/kl": 1.0 + 20.0 * (i >= 8)} for i in range(16)]
+            (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        (out / "results.json").write_text(json.dumps(entries))
+    runs = learning_seeds.collect([tmp_path], (6.0, 24.0))
+    # a window of 8 steps holding k of the last 8 (KL 21) has mean KL 1 + 2.5 k: within 6 nats k <= 2,
+    # reward 2/8 of the run's top; within 24 the last 8, the top
+    expected = {("exclaim", "ppo-defaults"): [0.025, 0.1], ("exclaim", "grpo-lr5e-5"): [0.075, 0.3],
+                ("exclaim@48", "ppo-defaults"): [0.125, 0.5], ("exclaim@48", "grpo-lr5e-5"): [0.225, 0.9]}
+    assert set(runs) == set(expected)
+    for key, cells in expected.items():
+        assert list(runs[key]) == [(0, "cpu")] and runs[key][(0, "cpu")] == pytest.approx(cells)
