@@ -54,9 +54,11 @@ sys.path.insert(0, str(HERE))
 
 from learning_tasks import HELD_OUT, TASKS, maximum  # noqa: E402
 
+RESPONSE_LENGTH = 32  # new tokens per answer unless --response-length says otherwise (and in results without one)
+
 
 def score(model_dir: str | Path, ref_dir: str | Path, task: str, samples: int = 4, seed: int = 1234,
-          max_new_tokens: int = 32) -> dict:
+          max_new_tokens: int = RESPONSE_LENGTH) -> dict:
     """Held-out reward (mean, se over prompts) and KL to the reference, sampling at temperature 1."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -183,7 +185,7 @@ def main() -> None:
     ap.add_argument("--ppo-args", default="", help="extra ppolm ppo options (a variant of the defaults)")
     ap.add_argument("--tag", default="defaults", help="name of the ppolm variant in the table")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--response-length", type=int, default=32,
+    ap.add_argument("--response-length", type=int, default=RESPONSE_LENGTH,
                     help="most new tokens per answer, in training and in held-out scoring (default 32; "
                          "ppolm ppo's own default is 48); one --out holds runs of one length")
     ap.add_argument("--kl-target", type=float, default=None,
@@ -196,7 +198,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-    other = {r.get("response_length", 32) for r in results.values()} - {args.response_length}
+    other = {r.get("response_length", RESPONSE_LENGTH) for r in results.values()} - {args.response_length}
     if other:  # runs of another length are another experiment: their rewards and KL are not comparable
         sys.exit(f"error: {out} holds runs of --response-length {sorted(other)[0]}; give --response-length "
                  f"{sorted(other)[0]} or another --out for runs of {args.response_length}")

@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from learning import frontier, trajectory  # noqa: E402
+from learning import RESPONSE_LENGTH, frontier, trajectory  # noqa: E402
 
 
 def seed_of(entry: dict, out: Path) -> int | None:
@@ -57,8 +57,8 @@ def collect(dirs: list[Path], budgets: tuple[float, ...]) -> dict:
                 continue
             start = results[f"{task}/start"]["reward"]
             cells = [frontier(traj, b) for b in budgets]
-            length = entry.get("response_length", 32)
-            label = task if length == 32 else f"{task}@{length}"
+            length = entry.get("response_length", RESPONSE_LENGTH)
+            label = task if length == RESPONSE_LENGTH else f"{task}@{length}"
             runs[(label, system)][(seed, entry.get("machine", "?"))] = [start if c is None else c[0] for c in cells]
     return runs
 

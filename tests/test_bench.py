@@ -72,7 +72,7 @@ def test_drop_weights_keeps_a_model_folder_at_the_top_without_its_weights(tmp_pa
     assert learning.trajectory(tmp_path) == [(0.5, 2.0)]
 
 
-def test_an_out_dir_of_another_response_length_is_refused_untouched(tmp_path, monkeypatch, capsys):
+def test_an_out_dir_of_another_response_length_is_refused_untouched(tmp_path, monkeypatch):
     # scores of 32-token answers and of 48-token ones are different experiments: one --out, one length
     results = tmp_path / "results.json"
     results.write_text('{"exclaim/start": {"reward": 0.02, "se": 0.01, "kl": 0.0, "wall_s": 0.0}}')
