@@ -473,8 +473,10 @@ class PPOTrainer:
         cfg, a = self.cfg, self.cfg.algo
         stats: dict[str, list[float]] = {k: [] for k in ("approxkl", "clipfrac", "pg", "vf", "vf_clipfrac",
                                                          "ratio", "ptx", "dual_clipfrac", "grad_norm",
-                                                         "vf_grad_norm")}
+                                                         "vf_grad_norm", "update_kl", "update_scale")}
         skipped, epochs_done = 0, 0
+        bounded = a.update_kl_max is not None and epochs > 0 and not hold_policy
+        start = [p.detach().clone() for p in self.actor_params] if bounded else None
         gen = torch.Generator().manual_seed(cfg.run.seed * 7919 + step)
         length = cfg.generation.response_length
         for _epoch in range(epochs):
@@ -540,7 +542,35 @@ class PPOTrainer:
             if a.target_kl is not None and kl_total / kl_n > a.target_kl:
                 break
         exp.first_pass = None
+        if start is not None:
+            kl, scale = self.bound_update(exp, start, a.update_kl_max)
+            stats["update_kl"].append(kl)
+            stats["update_scale"].append(scale)
         return self.average_stats(stats), skipped, epochs_done
+
+    @torch.no_grad()
+    def bound_update(self, exp: ro.Experience, start: list[torch.Tensor], limit: float) -> tuple[float, float]:
+        """--update-kl-max: the policy's mean per-token k2 to the rollout policy on this batch after the
+        update (every process's tokens), and the step shrunk towards ``start`` (the parameters before
+        it) by sqrt(limit / KL) where that KL exceeds ``limit``. Returns (KL before shrinking, factor)."""
+        total, count = 0.0, 0.0
+        for micro in torch.arange(self.local_batch, device=self.device).split(self.micro_size):
+            logp = self.forward_train(exp.roll.select(micro), False,
+                                      None if exp.critic_input is None else exp.critic_input[micro],
+                                      None if exp.policy_entering is None else exp.policy_entering[micro],
+                                      want_entropy=False)[0]
+            m_ = exp.mask[micro]
+            total += float((0.5 * (logp.float() - exp.old_logprobs[micro].float()) ** 2 * m_).sum())
+            count += float(m_.sum())
+        total, count = distributed.all_sum_floats([total, count])
+        kl = total / max(count, 1.0)
+        scale = 1.0
+        if math.isfinite(kl) and kl > limit:
+            scale = math.sqrt(limit / kl)
+            for p, p0 in zip(self.actor_params, start):
+                p.lerp_(p0, 1.0 - scale)  # p0 + scale * (p - p0)
+            self.actor.copy_to_model()
+        return kl, scale
 
     def global_scales(self, mask: torch.Tensor, micros: list[torch.Tensor]) -> list[tuple[float, float]]:
         """For each microbatch (row indices into ``mask``): the factors that make its policy loss

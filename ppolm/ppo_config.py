@@ -145,6 +145,8 @@ class AlgoConfig:
     """--advantage gae, a batch whose scores are all equal over every process and no higher than the run's mean score (a rule-based reward that no response in it earned), which says nothing about the reward: zero = its advantages are set to 0, so it adds no gradient to the policy (Adam's momentum from earlier batches still moves it; the critic still learns), as GRPO's per-prompt normalisation treats such a group; skip = as zero, and the policy's optimiser does not step at all on that batch, so momentum from an earlier rewarded batch is held until the next batch with a signal (the critic still steps; with a critic sharing the policy's trunk, the trunk waits too; on bench/learning.py's keyword and digit it learnt less than zero on both, over 9 and 5 seeds: stepping on the empty batches also lowers Adam's bias-corrected second moment, which makes the rarer rewarded batches' steps larger, docs/learning.md); keep = PPO's usual advantages, which are then only the critic's error and the KL penalty, whitened to full size, so such batches spend the KL budget on noise (bench/learning.py: on a reward earned once in 200 samples, zero alone learnt about twice as much over 3 seeds; with the critic's --critic-adam-eps 1e-8 the runs in which a rare reward came late no longer fell below GRPO's within the KL target). A batch that all earned alike above the mean (a reward the policy has mastered) keeps its advantages under both: its KL penalty is then its one signal and pulls the policy back (zeroed, a word-budget reward earned by every response held the KL at twice its target for 10 updates and lost its reward when beta caught up). A zeroed batch leaves the adaptive KL coefficient unchanged (its penalty had no gradient to act through). adv/tied logs 1 for a tied batch, adv/unearned 1 for a tied one at or below the mean (the batches zero acts on)."""
     target_kl: float | None = None
     """Stop the PPO epochs of a batch early once the approximate KL to the rollout policy exceeds this. None = off."""
+    update_kl_max: float | None = None
+    """A trust region on each update: after the PPO epochs, the policy's mean per-token KL to the rollout policy on the batch (k2, 0.5 (log ratio)^2, one extra forward pass) is measured, and if it exceeds this the step is shrunk towards the rollout policy by sqrt(max / KL) (the KL grows as the square of a small step; TRPO's bound, Schulman et al. 2015, arXiv:1502.05477, applied to the step Adam took). policy/update_kl logs the measured KL, policy/update_scale the factor. None = off."""
     ptx_coef: float = 0.0
     """PPO-ptx: weight of a language-modelling loss on --ptx-data mixed into the policy loss (InstructGPT)."""
     ptx_data: str | None = None
@@ -292,6 +294,8 @@ class PPOConfig:
         need(self.model.critic_layers >= 0, f"--critic-layers must be >= 0; got {self.model.critic_layers}")
         need(self.model.lora_r >= 0, f"--lora-r must be >= 0; got {self.model.lora_r}")
         need(a.target_kl is None or a.target_kl > 0, "--target-kl must be > 0 (or none)")
+        need(a.update_kl_max is None or a.update_kl_max > 0,
+             f"--update-kl-max must be > 0 (or none); got {a.update_kl_max}")
         need(a.ptx_coef >= 0, "--ptx-coef must be >= 0")
         need(a.ptx_coef == 0 or a.ptx_data is not None, "--ptx-coef > 0 needs --ptx-data FILE (a text corpus)")
         need(bool(r.reward_fn or r.reward_model),

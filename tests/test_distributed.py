@@ -112,7 +112,7 @@ def test_one_update_on_two_processes_equals_one_process(tiny_policy_dir, tiny_rm
                 kl_coef=0.05, kl_coef_min=0.0)  # unfloored, so beta must move
     cases = [
         ("top-layer-critic", dict(reward_model=[str(tiny_rm_dir)], critic_layers=1, whiten_rewards=True)),
-        ("full-critic", dict(critic_layers=0, entropy_coef=0.01)),
+        ("full-critic", dict(critic_layers=0, entropy_coef=0.01, update_kl_max=1e-6)),  # the bound binds
         ("shared-critic", dict(critic="shared")),
         ("lora", dict(lora_r=4, lora_alpha=8, actor_lr=1e-3, reward_model=[str(tiny_rm_dir)], critic_layers=1)),
         ("grpo", dict(advantage="grpo", samples_per_prompt=2)),
@@ -147,6 +147,10 @@ def test_one_update_on_two_processes_equals_one_process(tiny_policy_dir, tiny_rm
         for key in ("objective/kl", "objective/scores", "objective/entropy", "adv/var", "policy/entropy_avg",
                     "response/length_mean", "val/num_eos_tokens", "objective/non_score_reward", "policy/grad_norm"):
             assert m2["metrics"][key] == pytest.approx(m1["metrics"][key], rel=1e-5, abs=1e-6), (name, key)
+        if name == "full-critic":  # --update-kl-max: the KL over every process's tokens, the same shrink
+            assert m1["metrics"]["policy/update_scale"] < 1
+            for key in ("policy/update_kl", "policy/update_scale"):
+                assert m2["metrics"][key] == pytest.approx(m1["metrics"][key], rel=1e-4), (name, key)
         if "val/vf_explained_var" in m1["metrics"]:
             assert m2["metrics"]["val/vf_explained_var"] == pytest.approx(m1["metrics"]["val/vf_explained_var"],
                                                                           rel=1e-4, abs=1e-5)

@@ -197,6 +197,7 @@ def test_greedy_generation_is_argmax(tiny_policy_dir, tokenizer):
     (dict(advantage="remax", top_k=1), r"--advantage remax with --top-k 1"),
     (dict(dual_clip=1.0), r"--dual-clip must be > 1; got 1\.0"),
     (dict(clip_eps_high=0.0), r"--clip-eps-high must be > 0; got 0\.0"),
+    (dict(update_kl_max=0.0), r"--update-kl-max must be > 0 \(or none\); got 0\.0"),
 ])
 def test_bad_estimator_options(tmp_path, reward_file, over, expect):
     from ppolm.errors import PPOLMError

@@ -587,6 +587,28 @@ def test_ptx_mix_and_target_kl(tiny_policy_dir, tmp_path, reward_file):
     assert row["loss/ptx_avg"] > 0 and row["ppo/epochs"] == 1  # stopped after the first epoch
 
 
+def test_update_kl_max_shrinks_the_step_by_the_root_of_the_kl_ratio(tiny_policy_dir, tmp_path, reward_file):
+    """--update-kl-max: the update's measured k2 is logged; a limit above it leaves the step as it is,
+    a limit of a quarter of it halves the step, sqrt((K / 4) / K), weight for weight."""
+    def one_update(limit, name):
+        trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=1, update_kl_max=limit))
+        before = [p.detach().clone() for p in trainer.actor_params]
+        metrics, _ = trainer.step(0)
+        return metrics, [p.detach() - b for p, b in zip(trainer.actor_params, before)]
+
+    free, free_delta = one_update(None, "free")
+    assert "policy/update_kl" not in free
+    wide, wide_delta = one_update(1e9, "wide")
+    kl = wide["policy/update_kl"]
+    assert kl > 0 and wide["policy/update_scale"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(free_delta, wide_delta))  # the extra pass changes nothing
+    tight, tight_delta = one_update(kl / 4, "tight")
+    assert tight["policy/update_kl"] == pytest.approx(kl, rel=1e-6)
+    assert tight["policy/update_scale"] == pytest.approx(0.5, rel=1e-6)
+    for a, b in zip(free_delta, tight_delta):
+        torch.testing.assert_close(b, 0.5 * a, rtol=1e-4, atol=1e-7)
+
+
 def test_config_yaml_and_cli_override(tmp_path):
     import argparse
 
