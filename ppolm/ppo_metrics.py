@@ -99,13 +99,13 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
     # global gradient norms before --max-grad-norm clips them, averaged over the update's optimiser
     # steps (under AdamW a clip that binds scales the gradients down, so Adam's epsilon weighs more;
     # docs/learning.md, "How large the policy's gradients are")
-    if stats.get("update_kl"):  # --update-kl-max
-        metrics["policy/update_kl"] = avg(stats["update_kl"])
-        metrics["policy/update_scale"] = avg(stats["update_scale"])
     if stats["grad_norm"]:
         metrics["policy/grad_norm"] = avg(stats["grad_norm"])
     if stats["vf_grad_norm"]:  # a separate critic (with --critic shared the policy's norm includes the head)
         metrics["val/grad_norm"] = avg(stats["vf_grad_norm"])
+    if stats["update_kl"]:  # --update-kl-max
+        metrics["policy/update_kl"] = avg(stats["update_kl"])
+        metrics["policy/update_scale"] = avg(stats["update_scale"])
     for name in parts:
         metrics[name] = g[name]
     return metrics
