@@ -48,16 +48,15 @@ class ActorCritic(torch.nn.Module):
         return self.critic is not None or self.value_head is not None
 
     def forward(self, roll: ro.Rollout | None, need_entropy_grad: bool = False, trunk: torch.Tensor | None = None,
-                entering: torch.Tensor | None = None, want_entropy: bool = True,
+                entering: torch.Tensor | None = None, want_entropy: bool = True, want_values: bool = True,
                 ptx: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
-        """(log-probs (B, R), entropy (B, R) or None, values (B, R) or None) of a rollout.
+        """(log-probs (B, R), entropy (B, R) or None, values (B, R) or None) of a rollout; no values
+        (and no critic pass) with ``want_values=False``.
 
         ``trunk`` (B, P + R, d): the frozen trunk's hidden state that feeds a top-layers critic;
         ``entering``: the state entering the policy's first adapted layer, from the reference pass.
         ``roll=None, ptx=(ids, mask)``: instead, the policy's language-modelling loss (a scalar) on
         a microbatch of pretraining text (PPO-ptx)."""
-        from ppolm.models import scalar_head
-
         if roll is None:
             if ptx is None:  # nothing to compute (FSDP's first call: ppolm/distributed.py fsdp)
                 return None
@@ -71,6 +70,13 @@ class ActorCritic(torch.nn.Module):
         if want_entropy:
             with torch.set_grad_enabled(need_entropy_grad and torch.is_grad_enabled()):
                 ent = core.entropy_from_logits(logits)
+        return logp, ent, self.values(roll, h, trunk) if want_values else None
+
+    def values(self, roll: ro.Rollout, h: torch.Tensor, trunk: torch.Tensor | None) -> torch.Tensor | None:
+        """The critic's values (B, R) of a rollout (None without a critic); ``h``: the policy's hidden
+        state over the response (a shared trunk's head reads it)."""
+        from ppolm.models import scalar_head
+
         v = None
         if self.value_head is not None:
             v = scalar_head(self.value_head, h)
@@ -81,7 +87,7 @@ class ActorCritic(torch.nn.Module):
             v = ro.values(self.critic, roll)
         if self.value_bias is not None and v is not None:
             v = v + self.value_bias
-        return logp, ent, v
+        return v
 
 
 def trained(module: Any) -> ActorCritic:

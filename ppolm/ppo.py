@@ -203,12 +203,20 @@ class PPOTrainer:
 
     def forward_train(self, roll: ro.Rollout, need_entropy_grad: bool,
                       trunk: torch.Tensor | None = None,
-                      entering: torch.Tensor | None = None, want_entropy: bool = True) -> tuple[Any, ...]:
+                      entering: torch.Tensor | None = None, want_entropy: bool = True,
+                      want_values: bool = True) -> tuple[Any, ...]:
         """Policy log-probs, entropy and values on a rollout, each (B, R), through the trained models'
         module (:class:`ppolm.actor_critic.ActorCritic`, under DDP with several processes). ``trunk``
         (B, P + R, d): the frozen trunk's hidden state that feeds a top-layers critic; ``entering``:
         the state entering the policy's first adapted layer, from the reference pass."""
-        return self.train_model(roll, need_entropy_grad, trunk, entering, want_entropy)
+        return self.train_model(roll, need_entropy_grad, trunk, entering, want_entropy, want_values)
+
+    def forward_rows(self, exp: ro.Experience, rows: torch.Tensor, need_entropy_grad: bool = False,
+                     want_entropy: bool = False, want_values: bool = True) -> tuple[Any, ...]:
+        """:meth:`forward_train` on some rows (indices) of a batch, with their trunk and entering states."""
+        trunk, entering = (None if x is None else x[rows] for x in (exp.critic_input, exp.policy_entering))
+        return self.forward_train(exp.roll.select(rows), need_entropy_grad, trunk, entering,
+                                  want_entropy=want_entropy, want_values=want_values)
 
     def penalise(self, scores: torch.Tensor, roll: ro.Rollout) -> torch.Tensor:
         """The missing-EOS and length penalties on the sources' total (:func:`ppolm.core.penalise_scores`),
@@ -491,11 +499,7 @@ class PPOTrainer:
                     if exp.first_pass is not None:  # the rollout pass, with grad (rows in minibatch order)
                         logp, ent, v = (None if x is None else x[micro] for x in exp.first_pass)
                     else:
-                        logp, ent, v = self.forward_train(
-                            exp.roll.select(micro), a.entropy_coef > 0,
-                            None if exp.critic_input is None else exp.critic_input[micro],
-                            None if exp.policy_entering is None else exp.policy_entering[micro],
-                            want_entropy=a.entropy_coef > 0)
+                        logp, ent, v = self.forward_rows(exp, micro, a.entropy_coef > 0, want_entropy=a.entropy_coef > 0)
                     m_ = exp.mask[micro]
                     pg_loss, pg = core.policy_loss(logp, exp.old_logprobs[micro], exp.advantages[micro], m_,
                                                    a.clip_eps, clip_eps_high=a.clip_eps_high, dual_clip=a.dual_clip,
@@ -555,12 +559,9 @@ class PPOTrainer:
         it) by sqrt(limit / KL) where that KL exceeds ``limit``. Returns (KL before shrinking, factor)."""
         total, count = 0.0, 0.0
         for micro in torch.arange(self.local_batch, device=self.device).split(self.micro_size):
-            logp = self.forward_train(exp.roll.select(micro), False,
-                                      None if exp.critic_input is None else exp.critic_input[micro],
-                                      None if exp.policy_entering is None else exp.policy_entering[micro],
-                                      want_entropy=False)[0]
+            logp = self.forward_rows(exp, micro, want_values=False)[0]  # the policy alone
             m_ = exp.mask[micro]
-            total += float((0.5 * (logp.float() - exp.old_logprobs[micro].float()) ** 2 * m_).sum())
+            total += float((core.kl_penalty(logp, exp.old_logprobs[micro], "k2") * m_).sum())
             count += float(m_.sum())
         total, count = distributed.all_sum_floats([total, count])
         kl = total / max(count, 1.0)
