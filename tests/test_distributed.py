@@ -283,14 +283,18 @@ def test_ppo_under_torchrun_writes_each_output_once(tiny_policy_dir, tiny_rm_dir
 def test_bf16_ppo_under_torchrun_keeps_the_processes_equal(tiny_policy_dir, reward_file, tmp_path):
     """In bf16 each process steps dithered fp32 masters (ppolm/runtime.py): the dither is drawn from
     --seed, not the rank, so after 2 steps on 2 processes both hold the same masters and the same
-    bf16 weights. A rank-dependent draw would leave equal gradients stepping unequal masters."""
-    args = ppo_args(tiny_policy_dir, reward_file, tmp_path / "run", "--steps", "2", "--actor-lr", "1e-4")
+    bf16 weights. A rank-dependent draw would leave equal gradients stepping unequal masters. With
+    --update-kl-max binding, both shrink their masters' step by the same factor."""
+    args = ppo_args(tiny_policy_dir, reward_file, tmp_path / "run", "--steps", "2", "--actor-lr", "1e-4",
+                    "--update-kl-max", "1e-6")
     args[args.index("fp32")] = "bf16"
     p = torchrun(2, args, env={"PPOLM_RANK_SUMMARY": str(tmp_path / "sum")})
     assert p.returncode == 0, p.stderr[-3000:]
     summaries = [json.loads((tmp_path / "sum" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert summaries[0]["weights"] == summaries[1]["weights"]
     assert summaries[0]["masters"] == summaries[1]["masters"]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["policy/update_scale"] < 1 for r in rows)
     saved = load_file(str(tmp_path / "run" / "policy" / "model.safetensors"))
     before = load_file(str(tiny_policy_dir / "model.safetensors"))
     assert any(not torch.equal(v, before[k]) for k, v in saved.items())
