@@ -15,6 +15,8 @@ different KL (GRPO's beta in the loss holds no target); this reward-vs-KL fronti
 budget buys. Training prompts are the same for both (ppolm's built-in set); ppolm's KL is
 `objective/kl` (k1 summed over the response), TRL's its logged per-token k3 `kl` times the mean
 completion length (both estimate the same KL of the sampling policy to the reference).
+`frontier.png` in --out draws the same paths, reward against KL, one panel per task, with each
+run's held-out end point.
 
     python bench/learning.py --out /tmp/learning [--tasks exclaim,short,keyword,question]
         [--systems ppo,grpo] [--grpo-lrs 5e-5,1e-4] [--trl-python /path/to/venv-with-trl/bin/python]
@@ -118,8 +120,62 @@ def mean_of(steps: list[tuple[float, float]]) -> tuple[float, float]:
 def frontier(traj: list[tuple[float, float]], budget: float, window: int = 8) -> tuple[float, float] | None:
     """The best mean reward over `window` consecutive steps whose mean KL is at most `budget`, with
     that KL; None when no window stays within it (or the run is shorter than a window)."""
-    means = [mean_of(traj[i - window:i]) for i in range(window, len(traj) + 1)]
-    return max((m for m in means if m[1] <= budget), key=lambda m: (m[0], -m[1]), default=None)  # ties: less KL
+    return max((m for m in curve(traj, window) if m[1] <= budget), key=lambda m: (m[0], -m[1]), default=None)  # ties: less KL
+
+
+def curve(traj: list[tuple[float, float]], window: int = 8) -> list[tuple[float, float]]:
+    """The run's path in the reward-vs-KL plane: (mean reward, mean KL) of every `window` consecutive
+    steps, in order; the frontier at a budget is the highest of these points left of it."""
+    return [mean_of(traj[i - window:i]) for i in range(window, len(traj) + 1)]
+
+
+def plot_frontiers(out: Path, results: dict[str, dict], budgets: tuple[float, float]) -> Path | None:
+    """Write out/frontier.png: one panel per task, each system's training path (8-step means of
+    reward against KL, a line ending in a dot) and its held-out end point (a cross at the held-out
+    reward and KL), the starting model's held-out reward as a dotted line and the two KL budgets as
+    dashed ones. The equal-KL table reads these paths at the dashed lines. None: no run to draw."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks: dict[str, list[str]] = {}
+    for key in sorted(results):
+        task, system = key.split("/")
+        if system != "start":
+            tasks.setdefault(task, []).append(system)
+    if not tasks:
+        return None
+    colors = {system: f"C{i % 10}" for i, system in enumerate(sorted({s for ss in tasks.values() for s in ss}))}
+    cols = min(3, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
+    for ax, (task, systems) in zip(axes.flat, sorted(tasks.items())):
+        for system in systems:
+            color = colors[system]  # one colour per system in every panel
+            path = curve(trajectory(out / f"{task}__{system}") or [])
+            if path:
+                ax.plot([p[1] for p in path], [p[0] for p in path], color=color, lw=1.2, label=system)
+                ax.plot(path[-1][1], path[-1][0], "o", color=color, ms=4)
+            end = results[f"{task}/{system}"]
+            ax.plot(end["kl"], end["reward"], "x", color=color, ms=8, mew=2,
+                    label=None if path else system)
+        if f"{task}/start" in results:
+            ax.axhline(results[f"{task}/start"]["reward"], color="grey", ls=":", lw=1)
+        for b in budgets:
+            ax.axvline(b, color="grey", ls="--", lw=0.8)
+        ax.set_title(task)
+        ax.set_xlabel("KL to the start (nats per response)")
+        ax.set_ylabel("reward")
+        ax.legend(fontsize=7, loc="best")
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    fig.suptitle("training reward (8-step means, line) and held-out reward (x) against KL", fontsize=10)
+    fig.tight_layout()
+    path = out / "frontier.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def machine() -> str:
@@ -282,6 +338,9 @@ def main() -> None:
         cells = [frontier(traj, b) for b in budgets] + [mean_of(traj[-8:])]
         print(f"{task:9} {system:22} " + " ".join(f"{'-':>16}" if c is None else f"{c[0]:8.3f} @ {c[1]:5.1f}"
                                                   for c in cells))
+    png = plot_frontiers(out, results, budgets)
+    if png:
+        print(f"\nreward against KL, per task: {png}")
 
 
 if __name__ == "__main__":

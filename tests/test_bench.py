@@ -32,6 +32,42 @@ def test_frontier_is_the_best_window_within_the_budget():
     assert learning.frontier([(0.5, 4.0), (0.5, 4.0), (0.5, 2.0)], 6.0, window=2) == pytest.approx((0.5, 3.0))
 
 
+def test_curve_is_every_window_mean_in_order():
+    traj = [(0.1, 1.0), (0.2, 3.0), (0.3, 7.0), (0.4, 11.0)]
+    flat = lambda path: [x for point in path for x in point]  # noqa: E731
+    assert flat(learning.curve(traj, window=2)) == pytest.approx([0.15, 2.0, 0.25, 5.0, 0.35, 9.0])
+    assert flat(learning.curve(traj, window=4)) == pytest.approx([0.25, 5.5])
+    assert learning.curve(traj[:1], window=2) == []
+
+
+def test_frontier_plot_draws_both_systems_logs_and_the_held_out_points(tmp_path):
+    # a ppolm run's metrics.jsonl, a TRL run's log_history.json (per-token kl x mean length), and a
+    # run whose logs are gone (held-out point only)
+    ppo = tmp_path / "exclaim__ppo-defaults"
+    ppo.mkdir()
+    ppo.joinpath("metrics.jsonl").write_text("".join(
+        json.dumps({"objective/scores": 0.1 * i, "objective/kl": 1.5 * i}) + "\n" for i in range(10)))
+    grpo = tmp_path / "exclaim__grpo-lr5e-5"
+    grpo.mkdir()
+    grpo.joinpath("log_history.json").write_text(json.dumps(
+        [{"reward": 0.05 * i, "kl": 0.1 * i, "completions/mean_length": 20.0} for i in range(9)]))
+    results = {"exclaim/start": {"reward": 0.02, "kl": 0.0},
+               "exclaim/ppo-defaults": {"reward": 0.8, "kl": 14.0},
+               "exclaim/grpo-lr5e-5": {"reward": 0.4, "kl": 15.0},
+               "keyword/start": {"reward": 0.0, "kl": 0.0},
+               "keyword/ppo-defaults": {"reward": 0.1, "kl": 6.0}}
+    # the GRPO path: one window of 8 steps, reward mean 0.175 at KL 0.35 x 20 = 7
+    path = learning.curve(learning.trajectory(grpo))
+    assert [x for point in path for x in point] == pytest.approx([0.175, 7.0, 0.225, 9.0])
+    png = learning.plot_frontiers(tmp_path, results, (12.0, 24.0))
+    assert png == tmp_path / "frontier.png"
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    # nothing but starting points: no figure
+    assert learning.plot_frontiers(tmp_path / "none", {"exclaim/start": {"reward": 0.0, "kl": 0.0}},
+                                   (12.0, 24.0)) is None
+
+
 def test_drop_weights_keeps_the_logs_of_a_scored_run(tmp_path):
     model = build_tiny_model_dir(tmp_path / "micro", kind="causal", seed=0, num_layers=1, hidden_size=16,
                                  heads=2, kv_heads=1, intermediate_size=32)
