@@ -18,6 +18,7 @@ import math
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,36 @@ from ppolm.runtime import (  # noqa: F401  (public here too)
     seed_everything,
     seeded_rng,
 )
+
+
+@dataclass
+class Advantages:
+    """Steps 4 and 5 of one batch: what the rewards, the KL and the critic's values make of it."""
+
+    rewards: torch.Tensor
+    """(B, R) per-token rewards: the (scaled) score on the last token, -beta * KL with --kl-in reward."""
+    non_score: torch.Tensor
+    """(B, R) the KL part of the reward (-beta * KL) in the score's own units."""
+    advantages: torch.Tensor
+    """(B, R) what the policy loss multiplies: GAE's (whitened when asked) or a critic-free estimator's."""
+    returns: torch.Tensor
+    """(B, R) the critic's targets (the advantages themselves without a critic, unused)."""
+    values: torch.Tensor
+    """(B, R) the rollout policy's values in the returns' units, 0 on padding (0 without a critic)."""
+    adv_var: float
+    """The advantages' variance before whitening (``adv/var``)."""
+    unit: float = 1.0
+    """The score's unit (--score-scale): the scores were divided by it."""
+    center: float = 0.0
+    """What --score-center subtracted from the scores first."""
+    tied: bool = False
+    """Every score of the batch alike (over every process)."""
+    unearned: bool = False
+    """Tied, and no better than the run's mean score: a reward nobody in the batch earned."""
+    zeroed: bool = False
+    """Unearned, and --tied-scores zeroed its advantages."""
+    value_units: tuple[float, float] = (0.0, 1.0)
+    """Experience.value_units: (center, unit) of a critic that predicts the scores as they come."""
 
 
 def train_ppo(cfg: PPOConfig) -> PPOResult:
@@ -323,62 +354,19 @@ class PPOTrainer:
         t_score = time.perf_counter()
 
         # 4. Per-token KL vs the reference; the score lands on each response's last real token.
-        #    The score is divided by core.score_unit of the spread of the scores within their
-        #    batches, pooled over the run (--score-scale): by default only a reward whose spread
-        #    lies outside the range the default beta was measured on is rescaled to it.
-        #    --score-center first subtracts the running mean's part beyond two running stds (all
-        #    of it with "running"), so that the zero-initialised critic starts no further from
-        #    the returns than on a [0, 1] reward.
+        # 5. Advantages: GAE with the critic's values, or a critic-free estimator (--advantage).
         beta = self.kl_ctl.value
         kl = core.kl_penalty(old_logprobs, fo.ref_logprobs, cfg.kl.kl_estimator) * mask  # (B, R)
         finite = not distributed.any_flag(not bool(torch.isfinite(scores).all()))  # one verdict for all
-        unit, tied, unearned, zeroed = 1.0, False, False, False
-        value_units = 0.0, 1.0
         if a.advantage == "gae":
-            if finite:  # (also kept under --score-scale none: --tied-scores compares with its mean)
-                mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
-                self.score_scale.update(n, float(mean), float(var) * n)
-            unit = core.score_unit(self.score_scale.spread, cfg.reward.score_scale)
-            center = core.score_center(self.score_scale.mean, self.score_scale.std, cfg.reward.score_center)
-            rewards, non_score = core.shape_rewards((scores - center) / unit, kl,
-                                                    beta if cfg.kl.kl_in == "reward" else 0.0, mask)
-            non_score = non_score * unit  # logged in the score's own units: rlhf_reward = score - unit * beta * KL
-            if cfg.kl.kl_in == "loss":
-                non_score = -beta * kl
-            if cfg.reward.whiten_rewards:  # batch statistics: over every process's rows
-                rewards = distributed.masked_whiten(rewards, mask, shift_mean=False)
-
-            # 5. Advantages by GAE (gamma, lambda); returns = advantages + values; whitened per batch.
-            if self.critic_in_score_units:
-                value_units = center, unit
-                old_values = (old_values - center) / unit
-            old_values = old_values * mask
-            advantages, returns = core.gae(rewards, old_values, mask, a.gamma, a.lam)  # (B, R)
-            if a.critic_lam is not None and a.critic_lam != a.lam:  # decoupled GAE: the critic's own lambda
-                _, returns = core.gae(rewards, old_values, mask, a.gamma, a.critic_lam)
-            adv_var = distributed.masked_var(advantages, mask)
-            if a.whiten_advantages:
-                advantages = distributed.masked_whiten(advantages, mask)
-            if finite:  # every score alike (over every process): no reward signal in this batch
-                hi, neg_lo = distributed.all_max_floats([float(scores.max()), -float(scores.min())])
-                tied = hi + neg_lo <= 1e-9 * max(1.0, abs(hi))
-                # ... and no better than the run's mean score: a reward nobody in the batch earned. A batch
-                # that all earned alike above it (a reward the policy has mastered) keeps its advantages:
-                # their KL penalty is then the batch's one signal, and it pulls the policy back.
-                unearned = tied and hi <= self.score_scale.mean + 1e-9 * max(1.0, abs(hi))
-                zeroed = unearned and a.tied_scores in ("zero", "skip")
-                if zeroed:
-                    advantages = torch.zeros_like(advantages)
+            adv = self.gae_advantages(scores, kl, beta, mask, old_values, finite)
         else:
-            # 5'. A critic-free estimator (--advantage): no values; returns are the advantages.
-            rewards, non_score, advantages, adv_var = self.critic_free_advantages(scores, kl, beta, mask,
-                                                                                  greedy_scores)
-            old_values, returns = torch.zeros_like(mask), advantages
+            adv = self.critic_free_advantages(scores, kl, beta, mask, greedy_scores)
         exp = ro.Experience(roll=roll, mask=mask, ref_logprobs=fo.ref_logprobs, old_logprobs=old_logprobs,
-                            entropy=entropy, values=old_values, scores=scores, kl=kl, non_score=non_score,
-                            rewards=rewards, advantages=advantages, returns=returns, critic_input=fo.critic_input,
-                            policy_entering=fo.policy_entering, first_pass=first_pass if fused else None,
-                            value_units=value_units)
+                            entropy=entropy, values=adv.values, scores=scores, kl=kl, non_score=adv.non_score,
+                            rewards=adv.rewards, advantages=adv.advantages, returns=adv.returns,
+                            critic_input=fo.critic_input, policy_entering=fo.policy_entering,
+                            first_pass=first_pass if fused else None, value_units=adv.value_units)
         del first_pass
 
         # 6. PPO epochs: clipped policy and value losses on shuffled minibatches (skipped, and
@@ -389,7 +377,7 @@ class PPOTrainer:
             self.skip_cause = f"non-finite reward (NaN/inf) from {', '.join(bad or ['penalties'])}"
             self.warn_once("reward", f"step {step}: {self.skip_cause}; update skipped (guard/skipped_updates)")
         stats, skipped, epochs_done = self.update(exp, beta, step, a.ppo_epochs if finite else 0,
-                                                  hold_policy=zeroed and a.tied_scores == "skip")
+                                                  hold_policy=adv.zeroed and a.tied_scores == "skip")
         skipped += 0 if finite else 1
         t_train = time.perf_counter()
 
@@ -400,7 +388,7 @@ class PPOTrainer:
         #    Then advance the learning-rate schedules.
         kl_sum, rows = distributed.all_sum_floats([kl.sum().item(), kl.shape[0]])
         mean_kl = kl_sum / rows  # over every process's rows: beta stays the same everywhere
-        if not skipped and not zeroed and math.isfinite(mean_kl):
+        if not skipped and not adv.zeroed and math.isfinite(mean_kl):
             self.kl_ctl.update(mean_kl, 1)  # one PPO update: --kl-horizon counts updates
         if math.isfinite(mean_kl):  # the next update's share of the KL budget left (--kl-lr-boost)
             self.lr_boost = core.kl_lr_scale(mean_kl, cfg.kl.kl_target, cfg.kl.kl_lr_boost)
@@ -412,17 +400,17 @@ class PPOTrainer:
         self.skipped_total += skipped
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
 
-        metrics = ppo_metrics.step_metrics(exp, stats, fo.parts, eos_id=self.eos_id, beta=beta, adv_var=adv_var,
+        metrics = ppo_metrics.step_metrics(exp, stats, fo.parts, eos_id=self.eos_id, beta=beta, adv_var=adv.adv_var,
                                            lr=lr, critic_lr=critic_lr, epochs=epochs_done,
                                            skipped_total=self.skipped_total,
                                            times=(t_start, t_rollout, t_score, t_train))
         if a.advantage == "gae" and cfg.reward.score_scale != "none":
-            metrics["objective/score_scale"] = unit
+            metrics["objective/score_scale"] = adv.unit
         if a.advantage == "gae" and cfg.reward.score_center != "none":
-            metrics["objective/score_center"] = center
+            metrics["objective/score_center"] = adv.center
         if a.advantage == "gae":
-            metrics["adv/tied"] = float(tied)
-            metrics["adv/unearned"] = float(unearned)
+            metrics["adv/tied"] = float(adv.tied)
+            metrics["adv/unearned"] = float(adv.unearned)
         samples = []
         if step % cfg.run.sample_every == 0 or step == a.steps - 1:
             kl_seq = kl.sum(1)
@@ -431,11 +419,64 @@ class PPOTrainer:
             samples = [r for rows in distributed.gather_objects(samples) for r in rows]
         return metrics, samples
 
+    def gae_advantages(self, scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor,
+                       old_values: torch.Tensor, finite: bool) -> Advantages:
+        """Steps 4 and 5 with a critic: per-token rewards, GAE (gamma, lambda), the batch's whitening.
+
+        The score lands on each response's last real token, divided by core.score_unit of the
+        spread of the scores within their batches, pooled over the run (--score-scale): by default
+        only a reward whose spread lies outside the range the default beta was measured on is
+        rescaled to it. --score-center first subtracts the running mean's part beyond two running
+        stds (all of it with "running"), so that the zero-initialised critic starts no further
+        from the returns than on a [0, 1] reward. ``finite``: every process's scores are finite
+        (else the running statistics and --tied-scores leave them out).
+        """
+        a, cfg = self.cfg.algo, self.cfg
+        if finite:  # (also kept under --score-scale none: --tied-scores compares with its mean)
+            mean, var, n = distributed.masked_moments(scores, torch.ones_like(scores))  # every process's
+            self.score_scale.update(n, float(mean), float(var) * n)
+        unit = core.score_unit(self.score_scale.spread, cfg.reward.score_scale)
+        center = core.score_center(self.score_scale.mean, self.score_scale.std, cfg.reward.score_center)
+        rewards, non_score = core.shape_rewards((scores - center) / unit, kl,
+                                                beta if cfg.kl.kl_in == "reward" else 0.0, mask)
+        non_score = non_score * unit  # logged in the score's own units: rlhf_reward = score - unit * beta * KL
+        if cfg.kl.kl_in == "loss":
+            non_score = -beta * kl
+        if cfg.reward.whiten_rewards:  # batch statistics: over every process's rows
+            rewards = distributed.masked_whiten(rewards, mask, shift_mean=False)
+
+        # GAE; returns = advantages + values; the advantages whitened per batch.
+        value_units = 0.0, 1.0
+        if self.critic_in_score_units:
+            value_units = center, unit
+            old_values = (old_values - center) / unit
+        old_values = old_values * mask
+        advantages, returns = core.gae(rewards, old_values, mask, a.gamma, a.lam)  # (B, R)
+        if a.critic_lam is not None and a.critic_lam != a.lam:  # decoupled GAE: the critic's own lambda
+            _, returns = core.gae(rewards, old_values, mask, a.gamma, a.critic_lam)
+        adv_var = distributed.masked_var(advantages, mask)
+        if a.whiten_advantages:
+            advantages = distributed.masked_whiten(advantages, mask)
+        tied = unearned = zeroed = False
+        if finite:  # every score alike (over every process): no reward signal in this batch
+            hi, neg_lo = distributed.all_max_floats([float(scores.max()), -float(scores.min())])
+            tied = hi + neg_lo <= 1e-9 * max(1.0, abs(hi))
+            # ... and no better than the run's mean score: a reward nobody in the batch earned. A batch
+            # that all earned alike above it (a reward the policy has mastered) keeps its advantages:
+            # their KL penalty is then the batch's one signal, and it pulls the policy back.
+            unearned = tied and hi <= self.score_scale.mean + 1e-9 * max(1.0, abs(hi))
+            zeroed = unearned and a.tied_scores in ("zero", "skip")
+            if zeroed:
+                advantages = torch.zeros_like(advantages)
+        return Advantages(rewards=rewards, non_score=non_score, advantages=advantages, returns=returns,
+                          values=old_values, adv_var=adv_var, unit=unit, center=center, tied=tied,
+                          unearned=unearned, zeroed=zeroed, value_units=value_units)
+
     def critic_free_advantages(self, scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor,
                                greedy_scores: torch.Tensor | None
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        """Step 5 of the critic-free estimators (README, "PPO and its alternatives"): (rewards,
-        non_score, advantages (B, R), advantage variance before any whitening).
+                               ) -> Advantages:
+        """Steps 4 and 5 of the critic-free estimators (README, "PPO and its alternatives"): no
+        values; the returns are the advantages.
 
         * reinforce++: per-token rewards of :func:`ppolm.core.shape_rewards` (score on the last
           token, -beta * KL on each with --kl-in reward), returns-to-go with --gamma, whitened over
@@ -468,7 +509,8 @@ class PPOTrainer:
             adv_var = distributed.masked_var(advantages, mask)
         if not in_reward:
             non_score = -beta * kl
-        return rewards, non_score, advantages, adv_var
+        return Advantages(rewards=rewards, non_score=non_score, advantages=advantages, returns=advantages,
+                          values=torch.zeros_like(mask), adv_var=adv_var)
 
     def update(self, exp: ro.Experience, beta: float, step: int, epochs: int, hold_policy: bool = False
                ) -> tuple[dict[str, list[float]], int, int]:
