@@ -16,7 +16,9 @@ budget buys. Training prompts are the same for both (ppolm's built-in set); ppol
 `objective/kl` (k1 summed over the response), TRL's its logged per-token k3 `kl` times the mean
 completion length (both estimate the same KL of the sampling policy to the reference).
 `frontier.png` in --out draws the same paths, reward against KL, one panel per task, with each
-run's held-out end point.
+run's held-out end point. The table's last column reads every run of a task at one common budget:
+the largest KL all of them reached (at most twice the target), so that a run whose controller held
+it near the target is compared with another at the KL both spent, not at KL only one of them had.
 
     python bench/learning.py --out /tmp/learning [--tasks exclaim,short,keyword,question]
         [--systems ppo,grpo] [--grpo-lrs 5e-5,1e-4] [--trl-python /path/to/venv-with-trl/bin/python]
@@ -127,6 +129,16 @@ def curve(traj: list[tuple[float, float]], window: int = 8) -> list[tuple[float,
     """The run's path in the reward-vs-KL plane: (mean reward, mean KL) of every `window` consecutive
     steps, in order; the frontier at a budget is the highest of these points left of it."""
     return [mean_of(traj[i - window:i]) for i in range(window, len(traj) + 1)]
+
+
+def common_budget(trajs: list[list[tuple[float, float]]], cap: float) -> float | None:
+    """The largest KL every one of a task's runs reached on its path (the smallest of their paths'
+    highest 8-step mean KL), at most `cap`: the budget at which all of them can be compared. None
+    when a run has no path (fewer steps than a window)."""
+    paths = [curve(t) for t in trajs]
+    if not paths or not all(paths):
+        return None
+    return min(cap, min(max(p[1] for p in path) for path in paths))
 
 
 def plot_frontiers(out: Path, results: dict[str, dict], budgets: tuple[float, float]) -> Path | None:
@@ -329,15 +341,21 @@ def main() -> None:
     budgets = (args.kl_target, 2 * args.kl_target)
     print("\nTraining reward at equal KL: best 8-step mean with mean KL <= budget (reward @ KL)")
     print(f"{'task':9} {'system':22} " + " ".join(f"{'KL <= ' + format(b, 'g'):>16}" for b in budgets)
-          + f" {'last 8 steps':>16}")
+          + f" {'last 8 steps':>16} {'KL <= common':>16}")
+    trajs = {}
     for key in sorted(results):
         task, system = key.split("/")
         traj = None if system == "start" else trajectory(out / key.replace("/", "__"))
-        if not traj:
-            continue
-        cells = [frontier(traj, b) for b in budgets] + [mean_of(traj[-8:])]
-        print(f"{task:9} {system:22} " + " ".join(f"{'-':>16}" if c is None else f"{c[0]:8.3f} @ {c[1]:5.1f}"
-                                                  for c in cells))
+        if traj:
+            trajs.setdefault(task, {})[system] = traj
+    for task, runs in sorted(trajs.items()):
+        common = common_budget(list(runs.values()), budgets[1]) if len(runs) > 1 else None
+        for system, traj in runs.items():
+            cells = [frontier(traj, b) for b in budgets] + [mean_of(traj[-8:])]
+            cells.append(frontier(traj, common) if common is not None else None)
+            print(f"{task:9} {system:22} " + " ".join(f"{'-':>16}" if c is None else f"{c[0]:8.3f} @ {c[1]:5.1f}"
+                                                      for c in cells))
+    print("(KL <= common: within the largest KL that every run of the task reached, at most twice the target)")
     png = plot_frontiers(out, results, budgets)
     if png:
         print(f"\nreward against KL, per task: {png}")

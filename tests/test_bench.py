@@ -40,6 +40,18 @@ def test_curve_is_every_window_mean_in_order():
     assert learning.curve(traj[:1], window=2) == []
 
 
+def test_common_budget_is_the_largest_kl_every_path_reached():
+    a = [(0.1 * i, 1.5 * i) for i in range(10)]  # 8-step mean KLs 5.25, 6.75, 8.25
+    b = [(0.05 * i, 2.0 * i) for i in range(9)]  # 7.0, 9.0
+    assert learning.common_budget([a, b], 24.0) == pytest.approx(8.25)
+    assert learning.common_budget([a, b], 8.0) == pytest.approx(8.0)  # capped at twice the target
+    assert learning.common_budget([b], 24.0) == pytest.approx(9.0)
+    assert learning.common_budget([a, b[:5]], 24.0) is None  # a run shorter than a window has no path
+    # read at that budget, each run's best window within it
+    assert learning.frontier(a, 8.25) == pytest.approx((0.55, 8.25))
+    assert learning.frontier(b, 8.25) == pytest.approx((0.175, 7.0))
+
+
 def test_frontier_plot_draws_both_systems_logs_and_the_held_out_points(tmp_path):
     # a ppolm run's metrics.jsonl, a TRL run's log_history.json (per-token kl x mean length), and a
     # run whose logs are gone (held-out point only)
