@@ -33,8 +33,24 @@ NORM_FILE = "ppolm_reward.json"
 
 def load_reward_fn(spec: str) -> Callable[..., Any]:
     """Resolve 'path/to/file.py:function' or 'package.module:function' to a callable."""
+    fn = load_callable(spec, "reward function")
+    try:
+        sig = inspect.signature(fn)
+        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            sig.bind(prompts=[], completions=[])
+    except TypeError:
+        raise PPOLMError(f"reward function '{spec}' must accept (prompts, completions, **kwargs); "
+                         f"its signature is {sig}") from None
+    except ValueError:  # builtins without a signature: trust them
+        pass
+    return fn
+
+
+def load_callable(spec: str, what: str) -> Callable[..., Any]:
+    """Import the callable named by 'path/to/file.py:function' or 'package.module:function'; ``what``
+    names it in errors ("reward function", "judge")."""
     if ":" not in spec:
-        raise PPOLMError(f"reward function '{spec}' must be 'path/to/file.py:function' or 'package.module:function'")
+        raise PPOLMError(f"{what} '{spec}' must be 'path/to/file.py:function' or 'package.module:function'")
     target, _, name = spec.rpartition(":")
     if target.endswith(".py") or "/" in target or Path(target).is_file():
         path = Path(target)
@@ -54,7 +70,7 @@ def load_reward_fn(spec: str) -> Callable[..., Any]:
         try:
             module = importlib.import_module(target)
         except Exception as e:
-            raise PPOLMError(f"cannot import module '{target}' for reward function '{spec}' "
+            raise PPOLMError(f"cannot import module '{target}' for {what} '{spec}' "
                              f"({type(e).__name__}: {e}); check the module name") from None
     fn = getattr(module, name, None)
     if fn is None:
@@ -64,15 +80,6 @@ def load_reward_fn(spec: str) -> Callable[..., Any]:
         raise PPOLMError(f"'{target}' has no function '{name}'{hint}")
     if not callable(fn):
         raise PPOLMError(f"'{spec}' is not callable")
-    try:
-        sig = inspect.signature(fn)
-        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-            sig.bind(prompts=[], completions=[])
-    except TypeError:
-        raise PPOLMError(f"reward function '{spec}' must accept (prompts, completions, **kwargs); "
-                         f"its signature is {sig}") from None
-    except ValueError:  # builtins without a signature: trust them
-        pass
     return fn
 
 
