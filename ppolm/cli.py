@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (cls_spec, _runner, help_text) in COMMANDS.items():
         module, _, cls_name = cls_spec.partition(":")
         cls = getattr(importlib.import_module(module), cls_name)
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=config.HelpFormatter,
+                           usage="%(prog)s [-h] [--config FILE.yaml] [OPTION ...]")
         p.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (flat or by section); "
                        "command-line options override it")
         config.add_arguments(p, cls)
