@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SINGLE_PROCESS = ("demo", "report", "reward-eval")
-"""Commands that run as one process only (the others run under torchrun: README, "Scaling out")."""
+"""Commands that run as one process only (the others run under torchrun: docs/distributed.md)."""
 
 
 SHARED_ERROR_WAIT_S = 30.0

@@ -101,12 +101,12 @@ names are built from a source's or an alarm's name, so they are documented as pa
 
 
 def metric_names_in_code(package: Path = ROOT / "ppolm") -> set[str]:
-    """Every string constant in the package's modules (this one aside) that is a metric name with one
-    of :data:`METRIC_PREFIXES`: the names the code writes and reads."""
+    """Every string constant in the package's modules (subpackages included, this one aside) that is
+    a metric name with one of :data:`METRIC_PREFIXES`: the names the code writes and reads."""
     pattern = re.compile(rf"^({'|'.join(METRIC_PREFIXES)})/[a-z_]+$")
     names: set[str] = set()
-    for path in sorted(package.glob("*.py")):
-        if path.name == Path(__file__).name:
+    for path in sorted(package.rglob("*.py")):
+        if path.resolve() == Path(__file__).resolve():
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.match(node.value):

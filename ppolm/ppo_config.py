@@ -72,9 +72,9 @@ class RewardConfig:
     whiten_rewards: bool = False
     """Whiten the per-token rewards over the batch (scale only, mean kept; OpenAI detail 11). Needs batch >= 8."""
     score_scale: Literal["auto", "std", "none"] = "auto"
-    """Score divisor before the KL penalty: auto brings the scores' within-batch spread into [0.05, 0.5], std divides by it. why: docs/defaults.md#score-scale"""
+    """Score divisor before the KL penalty: auto brings the within-batch spread into [0.05, 0.5]; std: that spread; none: 1. why: docs/defaults.md#score-scale"""
     score_center: Literal["auto", "running", "none"] = "auto"
-    """Subtracted from each score: auto = the running mean's part beyond two running stds from 0; running = the whole mean. why: docs/defaults.md#score-center"""
+    """Subtracted from each score: auto = the running mean's part beyond two running stds from 0; running = all of it; none = 0. why: docs/defaults.md#score-center"""
 
 
 @dataclass
