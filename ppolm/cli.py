@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ppolm import __version__, config
 
-    parser = argparse.ArgumentParser(prog="ppolm", description="RLHF with PPO for language models, on a CPU or GPU.")
+    parser = argparse.ArgumentParser(prog="ppolm", description="RLHF with PPO for language models, on a CPU or GPU.",
+                                     epilog="`ppolm COMMAND --help` lists a command's options by section "
+                                            "(all of them: docs/options.md).")
     parser.add_argument("--version", action="version", version=f"ppolm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (cls_spec, _runner, help_text) in COMMANDS.items():
