@@ -37,7 +37,8 @@ PPO_METRICS: dict[str, str] = {
                          "(a per-response entropy estimate).",
     "objective/scores": "mean score of the batch: reward models and functions combined, missing-EOS and length "
                         "penalties included, before any centring or scaling.",
-    "objective/non_score_reward": "mean over the batch of the summed per-token KL penalty, −β · KL.",
+    "objective/non_score_reward": "mean over the batch of the summed per-token KL penalty in the score's units: "
+                                  "−β · KL, times `objective/score_scale` when the KL is in the reward.",
     "objective/rlhf_reward": "`objective/scores` + `objective/non_score_reward`: what PPO maximises.",
     "objective/score_scale": "(`gae`) the divisor of the scores before the KL penalty (`--score-scale`).",
     "objective/score_center": "(`gae`) what is subtracted from the scores first (`--score-center`).",
