@@ -63,13 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ppolm import __version__, config
 
-    parser = argparse.ArgumentParser(prog="ppolm", description="RLHF with PPO for language models, on a CPU or GPU.")
+    parser = argparse.ArgumentParser(prog="ppolm", description="RLHF with PPO for language models, on a CPU or GPU.",
+                                     epilog="`ppolm COMMAND --help` lists a command's options by section "
+                                            "(all of them: docs/options.md).")
     parser.add_argument("--version", action="version", version=f"ppolm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (cls_spec, _runner, help_text) in COMMANDS.items():
         module, _, cls_name = cls_spec.partition(":")
         cls = getattr(importlib.import_module(module), cls_name)
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=config.HelpFormatter,
+                           usage="%(prog)s [-h] [--config FILE.yaml] [OPTION ...]")
         p.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (flat or by section); "
                        "command-line options override it")
         config.add_arguments(p, cls)
@@ -78,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SINGLE_PROCESS = ("demo", "report", "reward-eval")
-"""Commands that run as one process only (the others run under torchrun: README, "Scaling out")."""
+"""Commands that run as one process only (the others run under torchrun: docs/distributed.md)."""
 
 
 SHARED_ERROR_WAIT_S = 30.0

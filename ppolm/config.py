@@ -10,11 +10,13 @@ command line.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import copy
 import dataclasses
 import difflib
 import inspect
+import shutil
 import textwrap
 import types
 import typing
@@ -221,28 +223,87 @@ def to_dict(cfg: Any) -> dict[str, Any]:
             for f in ordered_fields(type(cfg))}
 
 
-def add_arguments(parser: Any, cfg_cls: type) -> None:
-    """Add one argparse option per leaf field; defaults are left unset (None) so that only
-    options the user typed override the YAML file."""
-    import argparse
+SECTION_TITLES = {"model": "Model", "reward": "Reward", "generation": "Generation", "algo": "Algorithm",
+                  "kl": "KL", "run": "Run"}
+"""``--help`` group titles of a sectioned config's sections (``ppolm ppo``), by section field name."""
 
-    for name, (sec, f, t) in leaf_fields(cfg_cls).items():
-        doc = field_docs(_hints(cfg_cls)[sec] if sec else cfg_cls).get(name, "")
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
-        help_text = f"{doc} [{_type_name(t)}; default: {default}]".replace("%", "%%")
-        flag = "--" + name.replace("_", "-")
-        inner, _ = _optional_inner(t)
-        if inner is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
-        elif get_origin(inner) is list:
-            parser.add_argument(flag, dest=name, action="append", default=None, help=help_text + " (repeatable)")
+SHARED_TITLES = {"DeviceOptions": "Device and model loading", "ModelLoading": "Device and model loading",
+                 "LoRAOptions": "LoRA", "PolicyLoRAOptions": "LoRA", "TextEncoding": "Text encoding",
+                 "OptimiserOptions": "Optimiser", "HeldOutSplit": "Held-out split", "TrainRunControl": "Run"}
+"""``--help`` group titles of the shared option groups (:mod:`ppolm.config_sections`) a flat config
+inherits; the command's own fields stay in the parser's main group."""
+
+HELP_WIDTH = 100
+"""``--help`` never wraps wider than this, however wide the terminal."""
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter with each option's help on the lines under its flags, indented by 4,
+    at most :data:`HELP_WIDTH` columns wide, and no line broken inside a hyphenated option name."""
+
+    def __init__(self, prog: str) -> None:
+        width = min(shutil.get_terminal_size().columns, HELP_WIDTH) - 2
+        super().__init__(prog, max_help_position=6, width=width)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def default_text(f: dataclasses.Field) -> str:
+    """A field's default as ``--help`` and docs/options.md show it."""
+    default = f.default if f.default is not dataclasses.MISSING else (
+        f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+    return str(default)
+
+
+def option_groups(cfg_cls: type) -> list[tuple[str | None, list[str]]]:
+    """``--help`` groups of a config in order: (title, option names); title None is the command's
+    main group (its own fields). A sectioned config (``PPOConfig``) groups by section
+    (:data:`SECTION_TITLES`); a flat one by the shared group that declares each inherited field
+    (:data:`SHARED_TITLES`)."""
+    groups: dict[str | None, list[str]] = {}
+    own = set(inspect.get_annotations(cfg_cls))
+    for name, (sec, _f, _t) in leaf_fields(cfg_cls).items():
+        if sec is not None:
+            title: str | None = SECTION_TITLES.get(sec, sec.capitalize())
+        elif name in own:
+            title = None
         else:
-            parser.add_argument(flag, dest=name, default=None, metavar=_type_name(t).upper()
-                                if get_origin(inner) is not Literal else None,
-                                choices=get_args(inner) if get_origin(inner) is Literal else None,
-                                help=help_text)
+            declarer = next(k for k in cfg_cls.__mro__ if name in inspect.get_annotations(k))
+            title = SHARED_TITLES.get(declarer.__name__, declarer.__name__)
+        groups.setdefault(title, []).append(name)
+    return list(groups.items())
+
+
+def option_help(cfg_cls: type, name: str) -> str:
+    """The ``--help`` text of one option: its field docstring and its default."""
+    sec, f, t = leaf_fields(cfg_cls)[name]
+    doc = field_docs(_hints(cfg_cls)[sec] if sec else cfg_cls).get(name, "")
+    inner, _ = _optional_inner(t)
+    return f"{doc} [default: {default_text(f)}]" + (" (repeatable)" if get_origin(inner) is list else "")
+
+
+def add_arguments(parser: Any, cfg_cls: type) -> None:
+    """Add one argparse option per leaf field, in argument groups (:func:`option_groups`); defaults
+    are left unset (None) so that only options the user typed override the YAML file."""
+    leaves = leaf_fields(cfg_cls)
+    for title, names in option_groups(cfg_cls):
+        group = parser if title is None else parser.add_argument_group(title)
+        for name in names:
+            _sec, _f, t = leaves[name]
+            help_text = option_help(cfg_cls, name).replace("%", "%%")
+            flag = "--" + name.replace("_", "-")
+            inner, _ = _optional_inner(t)
+            if inner is bool:
+                group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+            elif get_origin(inner) is list:
+                group.add_argument(flag, dest=name, action="append", default=None, help=help_text)
+            else:
+                group.add_argument(flag, dest=name, default=None, metavar=_type_name(t).upper()
+                                   if get_origin(inner) is not Literal else None,
+                                   choices=get_args(inner) if get_origin(inner) is Literal else None,
+                                   help=help_text)
 
 
 def from_cli(cfg_cls: type, args: Any, where: str) -> Any:

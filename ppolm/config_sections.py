@@ -108,9 +108,9 @@ class TrainRunControl:
     quiet: bool = False
     """No progress bar; one log line per epoch instead."""
     dist_timeout: float = 600.0
-    """Under torchrun: seconds a process waits in a collective for the others before failing (a process that died or hangs then stops the job instead of blocking it forever)."""
+    """Under torchrun: seconds a process waits for the others in a collective before the job fails instead of hanging."""
     fsdp: bool = False
-    """Under torchrun: shard the trained model's weights, gradients and Adam states over the processes with FSDP2 (fully_shard per decoder layer, then the whole model), for models that do not fit one device; without it each process holds a full copy (DDP)."""
+    """Under torchrun: shard the trained model's weights, gradients and Adam states over the processes (FSDP2); off: DDP. more: docs/distributed.md"""
 
 
 @dataclass

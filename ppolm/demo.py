@@ -66,9 +66,9 @@ class DemoConfig:
     quiet: bool = False
     """Log lines instead of progress bars."""
     threads: int = 0
-    """CPU threads for torch; 0 = auto: every core, or 1 when the machine is already busy (load average >= cores), because OpenMP threads that spin-wait against other processes run many times slower than one thread."""
+    """CPU threads for torch; 0 = auto: every core, or 1 when the machine is already busy (load average >= cores). why: docs/defaults.md#threads"""
     algorithms: str = "ppo"
-    """Algorithms to train and compare on the same task, budget and held-out prompts: ppo plus any of grpo, dr-grpo, rloo, reinforce++, reinforce++-baseline, remax (the ppolm ppo --advantage estimators, against the proxy reward model) and dpo (on the proxy's preference pairs), comma-separated, e.g. ppo,grpo,rloo,dpo. Each runs in its own process; the report overlays their gold and proxy reward against KL."""
+    """Algorithms to compare, comma-separated: ppo plus any of grpo, dr-grpo, rloo, reinforce++(-baseline), remax, dpo. more: docs/demo.md#head-to-head"""
 
     def validate(self) -> None:
         if self.steps is not None and self.steps < 1:

@@ -42,9 +42,9 @@ class DPOConfig(PolicyTrainOptions):
     """Everything a DPO run needs; ``train_dpo(config.build(DPOConfig, {...}))`` from Python."""
 
     model: str = "smollm2-135m-instruct"
-    """Policy to train, and the reference it is held to (usually the `ppolm sft` output): a Hugging Face model directory, a .gguf file, or an embedded model name."""
+    """Policy to train, and the reference it is held to (usually `ppolm sft`'s output): a model directory, a .gguf file, or an embedded name."""
     data: str | None = None
-    """Preference pairs, in the format of `ppolm reward`: .jsonl/.json/.parquet/.csv or a saved datasets directory with 'prompt', 'chosen', 'rejected' (text, or chat lists ending with the assistant turn)."""
+    """Preference pairs in `ppolm reward`'s format: 'prompt', 'chosen', 'rejected' (text, or chat lists ending with the assistant turn)."""
     eval_data: str | None = None
     """Held-out pairs for the eval/ metrics; default: a seeded --eval-fraction of --data."""
     output_dir: str = "runs/dpo"

@@ -30,7 +30,7 @@ class EvalConfig(ModelLoading):
     """Options of ``ppolm eval``; ``evaluate(config.build(EvalConfig, {...}))`` from Python."""
 
     policy: list[str] = field(default_factory=list)
-    """Policy to evaluate: a model directory (from `ppolm sft` or `ppolm ppo`'s policy/), a .gguf file or an embedded name. Repeatable; default: the embedded model."""
+    """Policy to evaluate: a model directory (`ppolm sft` or `ppolm ppo`'s policy/), a .gguf file or an embedded name; none: the embedded model."""
     prompts: str | None = None
     """Held-out prompts (the formats of `ppolm ppo --prompts`); default: the built-in prompt set."""
     reward_model: list[str] = field(default_factory=list)

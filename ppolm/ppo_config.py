@@ -34,21 +34,21 @@ class ModelConfig(ModelLoading, LoRAOptions):
     critic: Literal["separate", "shared"] = "separate"
     """Value model: a separate model (OpenRLHF, TRL), or a value head on the policy's own trunk (OpenAI's original; saves memory)."""
     critic_init: Literal["reward", "policy"] = "reward"
-    """Initialise a separate critic from the (first) reward model (Huang et al. 2024) or from the policy. Falls back to the policy when only reward functions are given. A critic that keeps the reward model's head predicts its scores as they come; its output v counts as the value (v - center) / unit, with the center and unit the scores get (--score-center, --score-scale), so that it starts as close to the returns whatever they do to the scores."""
+    """Start a separate critic from the (first) reward model, or from the policy (also when only reward functions are given). why: docs/defaults.md#critic-init"""
     critic_zero_head: bool = False
-    """Start the separate critic's value head at zero, whatever it is initialised from: its first values are 0, so the first advantages are the whitened returns. (A head kept from a reward model scores partial responses far from their returns at first: value explained variance -10 .. -2 on the demo, whose PPO then gained no gold reward in 8 steps; with a zero head it gained +0.29 ± 0.05.)"""
+    """Start the separate critic's value head at zero: its first values are 0, so the first advantages are the whitened returns. why: docs/defaults.md#critic-zero-head"""
     critic_layers: int = 4
-    """Train only the separate critic's top N layers (and its head). Its lower layers stay frozen and are shared with the frozen model it starts from (reward model or reference): no extra memory, no extra forward pass. 0 = train every layer of a full copy (as TRL)."""
+    """Train only the separate critic's top N layers and head, sharing the frozen rest; 0 = a full copy (as TRL). why: docs/defaults.md#critic-layers"""
     share_trunk: bool = True
-    """Store and run once the frozen layers that the reference has in common with a reward model (one trained from the same base with `ppolm reward --train-layers N`) or with a LoRA policy's adapter-free lower layers; found by comparing weights, results unchanged (ppolm/trunk.py). false = run every model in full."""
+    """Run once the frozen layers the reference shares with a reward model or a LoRA policy (results unchanged). more: docs/defaults.md#share-trunk"""
     share_prefix: bool = True
-    """Run the prompts' common beginning (a chat template's system prompt, a shared instruction) once per forward pass, at batch size 1, the rest of each row attending to it through the key/value cache; results unchanged up to float rounding (ppolm/prefix.py). false = every row in full."""
+    """Run the prompts' common beginning once per forward pass, through the KV cache (results unchanged up to rounding). more: docs/defaults.md#share-prefix"""
     lora_r: int = 0
     """LoRA rank for the policy (peft); 0 = full fine-tuning. With LoRA the reference is the policy with its adapter disabled (no second copy)."""
     fsdp: bool = False
-    """Under torchrun: shard the trained models (policy and critic: weights, gradients, Adam states) over the processes with FSDP2 (fully_shard per decoder layer, then the rest), for models whose training state does not fit one device; they are gathered whole for sampling. The frozen reference and reward models stay whole on every process. Full fine-tuning only (a LoRA policy's trained state is small: DDP suffices)."""
+    """Under torchrun: shard the policy's and critic's training state over the processes (FSDP2); full fine-tuning only. more: docs/defaults.md#fsdp"""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """bf16: every model computes in bf16, trained weights keep fp32 master copies, logits, values and the PPO maths in fp32 (faster on GPUs and CPUs with AMX/AVX512-BF16; 3-5x slower where bf16 is emulated). fp32: everything in float32. auto: bf16 where native, else fp32 (printed with the reason)."""
+    """bf16: bf16 compute, fp32 master weights and PPO maths; fp32: float32 throughout; auto: bf16 where native, else fp32. more: docs/defaults.md#precision"""
 
 
 @dataclass
@@ -56,7 +56,7 @@ class RewardConfig:
     reward_model: list[str] = field(default_factory=list)
     """Reward model directory (from `ppolm reward`, or any sequence-classification model with one label). Repeat for an ensemble."""
     reward_fn: list[str] = field(default_factory=list)
-    """Reward function 'path/to/file.py:function' or 'package.module:function', TRL GRPO convention f(prompts, completions, **kwargs) -> list[float]. Repeatable. At least one --reward-fn or --reward-model is required; ppolm.builtin_rewards:positive_sentiment is a built-in one (VADER sentiment)."""
+    """Reward function 'file.py:fn' or 'module:fn', f(prompts, completions, **kwargs) -> list[float] as TRL's GRPO; this or --reward-model is required."""
     reward_fn_weights: list[float] = field(default_factory=list)
     """One weight per --reward-fn, in order (default 1 each)."""
     reward_model_weight: float = 1.0
@@ -72,9 +72,9 @@ class RewardConfig:
     whiten_rewards: bool = False
     """Whiten the per-token rewards over the batch (scale only, mean kept; OpenAI detail 11). Needs batch >= 8."""
     score_scale: Literal["auto", "std", "none"] = "auto"
-    """PPO (--advantage gae): what the score is divided by before the KL penalty is added, from the spread of the scores around their own batch's mean, pooled over every batch so far (ppolm.core.RunningScale.spread, ppolm.core.score_unit; objective/score_scale logs the divisor, the logged scores stay raw): the std of every score together also counts the policy's progress: on a reward climbed from -110 to -10 it grew fivefold, to twice the spread within the batches, shrinking what PPO learns from towards the size of the KL penalty (docs/learning.md, "The score unit from the spread within batches"). auto: nothing while that spread lies in [0.05, 0.5], the spread of the [0, 1] rewards the default --kl-coef was measured on, else the factor that brings it to the nearer edge; without it, in bench/learning.py, a reward 10x smaller learnt a third as much (the KL penalty outweighed it) and one 10x larger ran at 2.5-3x the KL target for its last 10 steps. std: the spread itself (reward scaling, Engstrom et al. 2020; beta is then per std, e.g. --kl-coef 0.05). none: raw scores."""
+    """Score divisor before the KL penalty: auto brings the within-batch spread into [0.05, 0.5]; std: that spread; none: 1. why: docs/defaults.md#score-scale"""
     score_center: Literal["auto", "running", "none"] = "auto"
-    """PPO (--advantage gae): what is subtracted from each score before it is divided (--score-scale) and the KL penalty is added, from the running mean and std of every score so far (ppolm.core.score_center; objective/score_center logs it). Until the zero-initialised value head has learnt a reward's offset, GAE with lambda < 1 hands every response's late tokens more of it than its early ones: a positive offset rewards ending the answer, a negative one penalises it (in bench/learning.py exclaim + 3 learnt a third as much within twice the KL target). auto (default): the running mean's part beyond two running stds from 0, so a reward far from 0 (one that is never positive, one that starts at 3) is brought to the edge of that band, and one within it, as the [0, 1] rewards the defaults were measured on are while their mean is under 0.8, is left as it is (a critic that keeps the reward model's head is moved alike: --critic-init). running: the whole running mean, so a reward r and r + c train the same policy (reward centering, Naik et al. 2024, arXiv:2405.09999; InstructGPT shifts its reward model to mean 0 on the reference's samples for the same reason; on the benchmark's [0, 1] rewards it learnt no more than leaving them). none: the scores as they are. Critic-free estimators (--advantage grpo, rloo, ...) are offset-free by construction."""
+    """Subtracted from each score: auto = the running mean's part beyond two running stds from 0; running = all of it; none = 0. why: docs/defaults.md#score-center"""
 
 
 @dataclass
@@ -82,7 +82,7 @@ class GenerationConfig:
     response_length: int = 48
     """Maximum number of new tokens per response."""
     temperature: float = 1.0
-    """Sampling temperature; log-probs are recomputed from logits divided by it (OpenAI detail 5). 1 (as TRL's GRPO): PPO then optimises the policy itself, the one a user samples from, and explores more than at 0.7 (Huang et al. 2024's TL;DR choice); on a rare rule-based reward (bench/learning.py) 0.7 learnt a third as much."""
+    """Sampling temperature; log-probs are recomputed from logits divided by it (OpenAI detail 5). why: docs/defaults.md#temperature"""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 = off). Anything but 1.0 makes sampling differ from the policy PPO optimises."""
     top_k: int = 0
@@ -104,7 +104,7 @@ class AlgoConfig:
     grad_accum: int = 1
     """Gradient-accumulation steps per minibatch; must divide the minibatch size."""
     ppo_epochs: int = 2
-    """PPO epochs over each rollout batch, freshly shuffled each epoch (OpenAI detail 14). 2 (with --actor-lr 2e-5): at 8 rollouts per batch, 4 epochs at 5e-5 moved the policy so far per batch that the KL ran away and the reward barely rose (bench/learning.py)."""
+    """PPO epochs over each rollout batch, freshly shuffled each epoch (OpenAI detail 14). why: docs/defaults.md#ppo-epochs"""
     clip_eps: float = 0.2
     """Clip range of the probability ratio in the policy loss."""
     vf_clip: float = 0.2
@@ -116,7 +116,7 @@ class AlgoConfig:
     lam: float = 0.95
     """GAE lambda of the policy's advantages."""
     critic_lam: float | None = None
-    """GAE lambda of the critic's value targets (returns = GAE(this) + values); None = --lam. 1 gives the critic the plain return still to come, whatever it predicts now (decoupled GAE, Yuan et al. 2025, arXiv:2503.01491): with --lam below 1 its targets lean on its own, still untrained values, so a reward that arrives only at the last token reaches the values of early tokens slowly."""
+    """GAE lambda of the critic's value targets; none = --lam; 1 = the plain return still to come (decoupled GAE). more: docs/defaults.md#critic-lam"""
     actor_lr: float = 2e-5
     """Policy learning rate (full fine-tuning of a ~100M model at 8 rollouts per batch; LoRA wants ~10x more)."""
     critic_lr: float = 1e-4
@@ -124,41 +124,41 @@ class AlgoConfig:
     adam_eps: float = 1e-5
     """Adam epsilon (1e-5, the TF default of OpenAI's code; detail 16)."""
     critic_adam_eps: float | None = 1e-8
-    """Adam epsilon of the separate critic's optimiser (None = --adam-eps). 1e-8 (PyTorch's default): on rewards in [0, 1] the critic's gradients are small (the median sqrt(v) of its Adam states was 2e-8 after 40 updates), so --adam-eps 1e-5 shrank its steps ~500x and its explained variance stayed below 0 (-1.6 over the last 10 of 40 updates on bench/learning.py's exclaim); at 1e-8 it learns (+0.2 to +0.9 in the updates with a signal) and, with --tied-scores zero, the dense rewards there learnt more per nat of KL (exclaim 0.61, 0.66 and 0.65 at KL <= 12 over 3 seeds, against 0.53, 0.53 and 0.48). The policy keeps 1e-5: 1e-8 on both lost reward on exclaim."""
+    """Adam epsilon of the separate critic's optimiser (none = --adam-eps): its gradients on [0, 1] rewards are tiny. why: docs/defaults.md#critic-adam-eps"""
     actor_adam_beta1: float = 0.9
-    """Adam's beta1 (first-moment decay) of the policy's optimiser; beta2 stays 0.999. A gradient keeps moving the weights along Adam's momentum for ~1/(1 - beta1) steps after the batch it came from: at 0.9 and 2 epochs, about 85 % of the displacement a batch causes comes on the following batches' steps, where the ratio clip does not see it (docs/learning.md, "Four PPO epochs a batch"). 0 keeps each batch's movement to its own clipped epochs (RMSProp-like), but on bench/learning.py it learnt far less of every reward (exclaim 0.245 against 0.667 at KL <= 12; keyword and question 0.010-0.078 against 0.094-0.680): the momentum carries much of what these small batches teach. The critic keeps 0.9."""
+    """Adam's beta1 of the policy's optimiser (beta2 stays 0.999; the critic keeps 0.9). why: docs/defaults.md#actor-adam-beta1"""
     actor_lr_warmup: int = 0
-    """Updates over which the policy's learning rate rises linearly to --actor-lr (update i of the first N takes (i + 1) / N of it; 0 = off). The first batches that earn a rare reward hold one rewarded answer among noise, and a full step on them, carried on by Adam's momentum over the unrewarded batches after it, spends KL before the reward is found again. The critic's lr does not warm up. Off by default: on bench/learning.py, 10 updates of warmup to 3e-5 kept a format found in the first batches (question) but lost a vocabulary that rare (keyword), whose first rewarded answers then moved the policy too little to be found again (docs/learning.md, "A warmup of the policy's step")."""
+    """Updates over which the policy's lr rises linearly to --actor-lr (0 = off; the critic's lr does not warm up). why: docs/defaults.md#actor-lr-warmup"""
     actor_lr_warmup_from: float = 0.0
-    """Share of --actor-lr the warmup starts from: update i of the first --actor-lr-warmup N takes F + (1 - F)(i + 1) / N of it (F = 0: (i + 1) / N). A start at the share of a smaller lr keeps the first steps that size and enlarges only the later ones."""
+    """Share F of --actor-lr the warmup starts from: update i of the first N takes F + (1 - F)(i + 1) / N of it."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping (global norm) per model."""
     lr_schedule: Literal["constant", "linear"] = "constant"
-    """Learning-rate schedule: constant, or linear decay to 0 over --steps (OpenAI detail 15; --resume then needs the same --steps, while a constant schedule lets --resume extend a run)."""
+    """Learning-rate schedule: constant, or linear decay to 0 over --steps (OpenAI detail 15; --resume then cannot extend the run)."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (0 = off)."""
     whiten_advantages: bool = True
     """Whiten advantages per batch over real tokens (OpenAI detail 12)."""
     tied_scores: Literal["zero", "keep", "skip"] = "zero"
-    """--advantage gae, a batch whose scores are all equal over every process and no higher than the run's mean score (a rule-based reward that no response in it earned), which says nothing about the reward: zero = its advantages are set to 0, so it adds no gradient to the policy (Adam's momentum from earlier batches still moves it; the critic still learns), as GRPO's per-prompt normalisation treats such a group; skip = as zero, and the policy's optimiser does not step at all on that batch, so momentum from an earlier rewarded batch is held until the next batch with a signal (the critic still steps; with a critic sharing the policy's trunk, the trunk waits too; on bench/learning.py's keyword and digit it learnt less than zero on both, over 9 and 5 seeds: stepping on the empty batches also lowers Adam's bias-corrected second moment, which makes the rarer rewarded batches' steps larger, docs/learning.md); keep = PPO's usual advantages, which are then only the critic's error and the KL penalty, whitened to full size, so such batches spend the KL budget on noise (bench/learning.py: on a reward earned once in 200 samples, zero alone learnt about twice as much over 3 seeds; with the critic's --critic-adam-eps 1e-8 the runs in which a rare reward came late no longer fell below GRPO's within the KL target). A batch that all earned alike above the mean (a reward the policy has mastered) keeps its advantages under both: its KL penalty is then its one signal and pulls the policy back (zeroed, a word-budget reward earned by every response held the KL at twice its target for 10 updates and lost its reward when beta caught up). A zeroed batch leaves the adaptive KL coefficient unchanged (its penalty had no gradient to act through). adv/tied logs 1 for a tied batch, adv/unearned 1 for a tied one at or below the mean (the batches zero acts on)."""
+    """A batch whose scores tie at or below the run's mean (nobody earned it): zero its advantages, skip its step, or keep. why: docs/defaults.md#tied-scores"""
     target_kl: float | None = None
     """Stop the PPO epochs of a batch early once the approximate KL to the rollout policy exceeds this. None = off."""
     update_kl_max: float | None = None
-    """A trust region on each update: after the PPO epochs, the policy's mean per-token KL to the rollout policy on the batch (k2, 0.5 (log ratio)^2, one extra forward pass) is measured, and if it exceeds this the step is shrunk towards the rollout policy by sqrt(max / KL) (the KL grows as the square of a small step; TRPO's bound, Schulman et al. 2015, arXiv:1502.05477, applied to the step Adam took). policy/update_kl logs the measured KL, policy/update_scale the factor. None = off."""
+    """Trust region: shrink an update by sqrt(max / KL) where its per-token KL to the rollout policy exceeds this. none = off. more: docs/defaults.md#update-kl-max"""
     ptx_coef: float = 0.0
     """PPO-ptx: weight of a language-modelling loss on --ptx-data mixed into the policy loss (InstructGPT)."""
     ptx_data: str | None = None
     """Plain-text corpus for PPO-ptx (.txt, one document per line, or .jsonl with a 'text' column)."""
     advantage: Literal["gae", "grpo", "dr-grpo", "rloo", "reinforce++", "reinforce++-baseline", "remax"] = "gae"
-    """Advantage estimator: gae (PPO with a critic) or a critic-free one: grpo, dr-grpo, rloo, reinforce++-baseline (groups of --samples-per-prompt > 1), reinforce++, remax (a greedy response per prompt as baseline). Only gae builds, trains and saves a critic. See README, "PPO and its alternatives"."""
+    """Advantage estimator: gae (PPO with a critic) or a critic-free one (grpo, dr-grpo, rloo, reinforce++, ...). more: docs/algorithms.md"""
     samples_per_prompt: int | None = None
-    """Responses sampled per prompt (G): a step takes --batch-size / G prompts, each sampled G times, the G responses of a prompt adjacent and forming one group. Minibatches may split a group (the advantages are computed on the whole batch first). Default: 4 for the group estimators (grpo, dr-grpo, rloo, reinforce++-baseline), 1 otherwise."""
+    """Responses per prompt, one group (a step takes --batch-size / G prompts); none = 4 for the group estimators, else 1. more: docs/algorithms.md"""
     loss_agg: Literal["auto", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "auto"
-    """How the per-token policy loss is reduced: token-mean (each token weighs the same), seq-mean-token-sum, seq-mean-token-mean (GRPO as published), seq-mean-token-sum-norm (token sum / (rows * --response-length), Dr. GRPO). auto: seq-mean-token-sum-norm for dr-grpo, token-mean otherwise."""
+    """Reduction of the per-token policy loss; auto = seq-mean-token-sum-norm for dr-grpo, else token-mean. more: docs/algorithms.md#loss-aggregation"""
     clip_eps_high: float | None = 0.28
-    """Upper clip range of the ratio, 1 + this, above the lower 1 - --clip-eps (clip-higher, Yu et al. 2025, DAPO, arXiv:2503.14476); None = --clip-eps (symmetric, PPO as published). 0.28 (DAPO's): the upper clip bounds a token's rise per batch to about p * eps, tiny for a rewarded token the policy rarely samples (small p), while the lower clip still bounds how far a penalised token falls; in bench/learning.py (2 epochs a batch) it learnt more of a rarely earned keyword reward and of a question format within the KL target, and as much of two dense rewards (README, "Learning benchmark")."""
+    """Upper ratio clip 1 + this, above 1 - --clip-eps (clip-higher, DAPO); none = --clip-eps (symmetric). why: docs/defaults.md#clip-eps-high"""
     dual_clip: float | None = None
     """Dual-clip constant C > 1: where the advantage is negative the policy loss is capped at -C * A (Ye et al. 2020; 3 is common). None = off."""
 
@@ -166,25 +166,25 @@ class AlgoConfig:
 @dataclass
 class KLConfig:
     kl_coef: float = 0.01
-    """Initial KL coefficient beta, and by default the adaptive controller's floor (--kl-coef-min), per nat of KL in units of the (--score-scale) score. 0.01: in 40 updates of 8 rollouts a policy held at beta 0.05 (Huang et al. 2024's value for 1B TL;DR at 512 rollouts a batch) learnt a rare rule-based reward a third as much (bench/learning.py); the controller raises beta as soon as the KL passes --kl-target."""
+    """Starting KL coefficient beta, and by default its floor, per nat of KL in (--score-scale) score units. why: docs/defaults.md#kl-coef"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator of the reward penalty and the reported KL: k1 = logp - logp_ref (OpenAI), k2 = squared/2, k3 = exp(-x)-1+x (non-negative). With --kl-in loss the loss term uses k3 whatever this is."""
+    """Per-token KL of the reward penalty and of objective/kl: k1 = logp - logp_ref, k2 = k1^2 / 2, k3 = exp(-k1) - 1 + k1."""
     kl_in: Literal["auto", "reward", "loss"] = "auto"
-    """auto: in the reward for gae, reinforce++ and reinforce++-baseline, in the loss for grpo, dr-grpo, rloo and remax (as GRPO); config.yaml records the choice. reward: fold the KL penalty into the per-token reward (InstructGPT; for the score-based estimators the score becomes score - beta * sequence KL); loss: add beta*KL to the policy loss. In the loss the KL is always the k3 estimator (as GRPO; Schulman, "Approximating KL divergence"): k1's gradient does not depend on the reference, so it would pull toward nothing. --kl-estimator then sets only the reported KL (objective/kl) and the adaptive controller's input."""
+    """KL penalty in the per-token reward (InstructGPT) or in the loss (beta * k3, GRPO); auto = loss for grpo, dr-grpo, rloo, remax. more: docs/defaults.md#kl-in"""
     adaptive_kl: bool = True
     """Adapt beta to keep KL near --kl-target (Ziegler et al. 2019); off = fixed beta."""
     kl_target: float = 12.0
-    """Target KL (nats per response, summed over tokens) for the adaptive controller. 12: with Ziegler et al.'s 6 (for 24-token continuations) the policy passed the target while it learnt a reward and beta then pulled it back from what it had learnt; on 10 rule-based rewards (bench/learning.py, 40 updates of 8, 32 tokens) 12 learnt about as much within 12 nats and kept far more of it at the end (docs/learning.md, "The target of 12 as the default"). For a learned reward model, whose score a policy can over-optimise (Gao et al. 2022), a smaller target is the safer budget."""
+    """Target KL of the adaptive controller, in nats per response (summed over tokens). why: docs/defaults.md#kl-target"""
     kl_coef_min: float | None = None
-    """Floor of the adaptive coefficient: beta never falls below it. None = --kl-coef: beta starts at its floor, rises while the KL is above --kl-target and falls back, never below, while it is under. Without a floor (0, Ziegler et al.'s controller) beta winds down while the KL is still small, as it is for the many updates a rare reward takes to be found, and the KL then ran to 3x its target before beta had climbed back (bench/learning.py)."""
+    """Floor of the adaptive beta; none = --kl-coef (beta starts at its floor and never falls below it). why: docs/defaults.md#kl-coef-min"""
     kl_coef_max: float | None = None
-    """Ceiling of the adaptive coefficient: beta never rises above it (>= --kl-coef and --kl-coef-min; inf = no ceiling, as Ziegler et al.). None (default) = KL_PENALTY_AT_TARGET / --kl-target, 0.04 at the default target, where PPO (--advantage gae) runs with --score-scale auto and that value is at least --kl-coef and the floor; no ceiling otherwise (raw or hand-scaled scores, a hand-set beta above it, the critic-free estimators). config.yaml records the value used. Past it the penalty of a KL at its target outweighs most of a score in [0, 1] (--score-scale auto leaves a spread of at most 0.5), so a beta that climbed there threw the policy back below its target instead of holding it there: without a ceiling, runs of 100 updates swung between twice the target and a collapsed reward for 20-30 updates at a time; with it they held their reward (docs/learning.md, "A ceiling on beta" and "Runs longer than 40 updates")."""
+    """Ceiling of the adaptive beta; none = 0.48 / --kl-target under gae with --score-scale auto, else inf. why: docs/defaults.md#kl-coef-max"""
     kl_error_clip: float = 0.2
     """The adaptive controller's largest relative step per horizon: beta *= 1 + clip(KL/target - 1, +-this) / --kl-horizon (0.2, Ziegler et al. 2019's; in (0, 1))."""
     kl_horizon: int = 1
-    """Horizon of the adaptive controller, in PPO updates: each update moves beta by at most --kl-error-clip (20%)/horizon (beta *= 1 + clip(KL/target - 1, +-0.2) / horizon). Ziegler et al. count it in samples (10000, with batches of 512: 1% per update); counted in samples it would barely move at the small batches of a laptop (8 rollouts: 0.02% per update), so ppolm counts updates. 1 (20% per update): in a run of 40 updates a slower controller (10: 2%) let the KL reach 3x its target before beta caught up (bench/learning.py)."""
+    """Horizon of the adaptive controller in PPO updates: beta moves by at most --kl-error-clip / horizon per update. why: docs/defaults.md#kl-horizon"""
     kl_lr_boost: float = 1.0
-    """Largest factor on the actor's learning rate while the KL is under --kl-target: each update's lr is --actor-lr (and its schedule) times clip(--kl-target / KL, 1, this), KL the mean over the previous batch (core.kl_lr_scale). A policy still far inside its KL budget, as while a rare reward is being found, then takes larger steps, and one at or past its target takes the plain --actor-lr. 1 = off. The lr logged is the one used."""
+    """Largest factor on --actor-lr while the KL is under target: lr x clip(--kl-target / KL, 1, this); 1 = off. more: docs/defaults.md#kl-lr-boost"""
 
     @property
     def floor(self) -> float:
@@ -213,21 +213,21 @@ class RunConfig:
     overwrite: bool = False
     """Allow writing into an --output-dir that holds a different run (its files are replaced)."""
     max_skipped_updates: int = 3
-    """Abort after this many consecutive updates skipped for non-finite rewards, losses or gradients (or at the end of a run that skipped every update). A skipped update leaves the adaptive KL coefficient unchanged."""
+    """Abort after this many consecutive updates skipped for non-finite rewards, losses or gradients (a skip leaves beta unchanged)."""
     quiet: bool = False
     """No progress bar; one log line per step instead."""
     eval_prompts: str | None = None
-    """Held-out prompts scored before training and every --eval-every steps (same formats as --prompts); results in eval.jsonl (one row per evaluation, step = updates done, eval/score the trained-on score with the missing-EOS and length penalties as objective/scores, eval/<source> each source's raw mean and eval/<source>_se its standard error, eval/kl) and eval_samples.jsonl."""
+    """Held-out prompts (formats as --prompts) scored before training and every --eval-every steps: eval.jsonl. more: docs/metrics.md#held-out-evaluation"""
     eval_every: int = 5
     """Evaluate on --eval-prompts every N PPO steps (and before the first and after the last)."""
     eval_batch_size: int = 32
-    """Held-out prompts generated and scored together. Large batches are cheap: decoding reads every weight once per token whatever the batch, so 32 prompts take little longer than 8 on a CPU."""
+    """Held-out prompts generated and scored together (decoding reads every weight once per token, so 32 cost little more than 8)."""
     eval_reward_fn: list[str] = field(default_factory=list)
     """Extra scorers used only for evaluation, never for training (e.g. a gold judge): 'file.py:fn' or 'module:fn'."""
     best_metric: str | None = None
     """Keep the policy that maximises this eval metric (e.g. eval/gold_judge) in best/ with best.json."""
     dist_timeout: float = 600.0
-    """Under torchrun: seconds a process waits in a collective for the others before failing (a process that died or hangs then stops the job instead of blocking it forever)."""
+    """Under torchrun: seconds a process waits for the others in a collective before the job fails instead of hanging."""
 
 
 @dataclass

@@ -44,7 +44,7 @@ class RewardTrainConfig(TrainRunControl, ModelLoading, LoRAOptions, TextEncoding
     model: str = "smollm2-135m-instruct"
     """Backbone: a causal LM (e.g. the `ppolm sft` output) or a sequence-classification model; a directory, .gguf or embedded name."""
     data: str | None = None
-    """Preference pairs: .jsonl/.json/.parquet/.csv or a saved datasets directory with 'prompt', 'chosen', 'rejected' (text, or chat lists ending with the assistant turn; 'prompt' may be omitted when chosen/rejected are whole conversations)."""
+    """Preference pairs (.jsonl/.json/.parquet/.csv or a datasets directory): 'prompt', 'chosen', 'rejected', text or chat lists. more: docs/pipeline.md"""
     eval_data: str | None = None
     """Held-out pairs for accuracy and loss; default: a seeded --eval-fraction of --data."""
     output_dir: str = "runs/reward"
@@ -62,9 +62,9 @@ class RewardTrainConfig(TrainRunControl, ModelLoading, LoRAOptions, TextEncoding
     train_layers: int = 2
     """Train the scalar head, the final norm and the top N transformer layers; the rest stays frozen (fast on a CPU). -1 = all."""
     group_by_prompt: bool = False
-    """Train on each prompt's comparisons as one item (InstructGPT): every distinct response in a step is scored once and a prompt's C(K, 2) pairs weigh as one item in the loss (the mean of their Bradley-Terry terms); --batch-size then counts prompts. With K ranked responses per prompt this is about K/2 times less work per epoch and does not fit a response K - 1 times per epoch (which overfits). Pairs with unique prompts train as before."""
+    """Train each prompt's C(K, 2) comparisons as one item (InstructGPT): each response runs once; --batch-size counts prompts. more: docs/defaults.md#group-by-prompt"""
     trunk_cache: bool = True
-    """With --train-layers N (no LoRA), run the frozen lower layers once per distinct text and train the top N on their cached output: epochs after the first, and texts shared by several pairs (K-way rankings), cost only the top layers. Off: recompute every step. Skipped when the cache would exceed 1 GiB."""
+    """With --train-layers N (no LoRA): run the frozen lower layers once per distinct text and train on their cached output. more: docs/defaults.md#trunk-cache"""
     lora_r: int = 0
     """LoRA rank (peft) on all layers instead of --train-layers; 0 = off. The head is always trained in full."""
     chat_template: bool = True
@@ -72,7 +72,7 @@ class RewardTrainConfig(TrainRunControl, ModelLoading, LoRAOptions, TextEncoding
     normalize: bool = True
     """After training, set a gain and bias so scores have mean 0, std 1 on responses of --norm-policy (OpenAI detail 8)."""
     norm_source: Literal["samples", "pairs"] = "samples"
-    """What the normalisation is fitted on: fresh samples of --norm-policy, or the chosen and rejected responses of --data and --eval-data (each distinct text once, no sampling; right when the pairs are that policy's own samples)."""
+    """What the normalisation is fitted on: fresh samples of --norm-policy, or the pairs' own responses (no sampling). more: docs/defaults.md#norm-source"""
     norm_policy: str | None = None
     """Reference policy whose samples define the normalisation; default: --model (the SFT model PPO starts from)."""
     norm_prompts: str | None = None

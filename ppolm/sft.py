@@ -52,7 +52,7 @@ class SFTConfig(PolicyTrainOptions):
     model: str = "smollm2-135m-instruct"
     """Model to fine-tune: a Hugging Face model directory, a .gguf file, or an embedded model name."""
     data: str | None = None
-    """Demonstrations: .jsonl/.json/.parquet/.csv or a saved datasets directory, with 'prompt' + 'response' (or 'completion') columns, or a 'messages' chat list whose last turn is the assistant's answer."""
+    """Demonstrations (.jsonl/.json/.parquet/.csv or a datasets directory): 'prompt' + 'response' (or 'completion'), or 'messages'. more: docs/pipeline.md"""
     eval_data: str | None = None
     """Held-out demonstrations for the eval loss; default: a seeded --eval-fraction of --data."""
     output_dir: str = "runs/sft"
