@@ -133,7 +133,7 @@ def agreement(preferred: torch.Tensor, other: torch.Tensor) -> tuple[float, floa
     n = preferred.numel()
     if n == 0:
         return math.nan, math.nan
-    points = (preferred > other).float() + 0.5 * (preferred == other).float()
+    points = (preferred > other).double() + 0.5 * (preferred == other).double()
     p = float(points.mean())
     return p, math.sqrt(p * (1 - p) / n)
 

@@ -1,0 +1,199 @@
+"""Reward-model refresh (ppolm/rm_refresh.py) on tiny models: it learns the judge's rule from fresh
+pairs, resumes bit-identically from a checkpoint, saves a loadable reward model, refreshes ensembles."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from ppolm import checkpoint, config
+from ppolm.errors import PPOLMError
+from ppolm.judge import Judge
+from ppolm.reward_train import Pair, RewardTrainConfig, train_reward
+from ppolm.rewards import NORM_FILE, RewardModel, read_norm
+from ppolm.rm_check import reward_model_scorer
+from ppolm.rm_refresh import (
+    RefreshConfig,
+    RewardModelRefresher,
+    original_pairs,
+    refresh_ensemble,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+WORDS = "the a cat dog sun tree river house blue green small big quick slow old new red road hill lamp".split()
+MARKER = "kindly"
+PROMPTS = [f"Say something about item {i}." for i in range(12)]
+
+
+class WordSampler:
+    """A stand-in policy: 3-6 random words, the marker among them half the time; each call (a round)
+    draws from its own seeded stream, so a resumed run gets the same answers as an uninterrupted one."""
+
+    def __init__(self, seed: int = 0, round: int = 0):
+        self.seed, self.round = seed, round
+
+    def __call__(self, prompts):
+        rng = random.Random(f"{self.seed}-{self.round}")
+        self.round += 1
+        out = []
+        for _ in prompts:
+            words = [rng.choice(WORDS) for _ in range(rng.randint(3, 6))]
+            if rng.random() < 0.5:
+                words.insert(rng.randint(0, len(words)), MARKER)
+            out.append(" ".join(words))
+        return out
+
+
+def marker_judge():
+    def count_marker(prompts, completions, **kwargs):
+        return [float(c.split().count(MARKER)) for c in completions]
+
+    return Judge(spec="count_marker", fn=count_marker, kind="pointwise")
+
+
+def replay_pairs(n=16, seed=5):
+    """Original pairs with nothing to learn from: chosen and rejected are random word lists."""
+    rng = random.Random(seed)
+    return [Pair(f"Describe thing {i}.", " ".join(rng.choices(WORDS, k=4)), " ".join(rng.choices(WORDS, k=5)))
+            for i in range(n)]
+
+
+def cfg(**over):
+    return RefreshConfig(**{**dict(lr=3e-3, batch_size=8, train_layers=1, seed=0), **over})
+
+
+def test_refresh_learns_the_fresh_pairs_and_grows_the_buffer(tiny_rm_dir):
+    r = RewardModelRefresher(tiny_rm_dir, pairs=replay_pairs(), cfg=cfg())
+    frozen = {n: p.detach().clone() for n, p in r.model.named_parameters() if not p.requires_grad}
+    trained = {n: p.detach().clone() for n, p in r.trained.items()}
+    judge = marker_judge()
+    rec = r.refresh(PROMPTS, WordSampler(), judge, 48, 40)
+    added = int(rec["rm_refresh/pairs_added"])
+    assert added >= 12 and len(r.fresh) == added and rec["rm_refresh/buffer_pairs"] == 16 + added
+    assert rec["rm_refresh/judge_calls"] == judge.calls == added + rec["rm_refresh/ties"]
+    assert rec["rm_refresh/steps"] == 40 and rec["rm_refresh/round"] == 1
+    assert all(MARKER in p.chosen.split() and MARKER not in p.rejected.split() for p in r.fresh)
+    # a noise-free judge, a rule the tiny model can read: the fresh pairs end up ranked right
+    assert rec["rm_refresh/fresh_accuracy_after"] >= max(rec["rm_refresh/fresh_accuracy_before"], 0.9), rec
+    assert all(not torch.equal(p, trained[n]) for n, p in r.trained.items() if n.startswith("score"))
+    assert any(not torch.equal(p, trained[n]) for n, p in r.trained.items() if not n.startswith("score"))
+    assert all(torch.equal(p, frozen[n]) for n, p in r.model.named_parameters() if not p.requires_grad)
+    # re-normalised: mean 0, std 1 on the reference texts (by default the original pairs' responses)
+    s = r.scores([p for p, _ in r.reference], [t for _, t in r.reference])
+    assert len(r.reference) == 32 and abs(float(s.mean())) < 1e-5 and float(s.std(unbiased=False)) == \
+        pytest.approx(1.0, abs=1e-5)
+    # a second refresh replays the first one's pairs
+    rec2 = r.refresh(PROMPTS, WordSampler(round=1), judge, 16, 4)
+    assert rec2["rm_refresh/round"] == 2 and rec2["rm_refresh/buffer_pairs"] == 16 + added + \
+        rec2["rm_refresh/pairs_added"] and rec2["rm_refresh/judge_calls_total"] == judge.calls
+
+
+def run_two_refreshes(rm_dir, tmp_path, options, interrupt: bool):
+    """Two refreshes; with ``interrupt`` the refresher is saved to a real checkpoint after the first,
+    rebuilt from scratch and restored before the second."""
+    r = RewardModelRefresher(rm_dir, pairs=replay_pairs(), cfg=cfg(**options))
+    first = r.refresh(PROMPTS, WordSampler(), marker_judge(), 24, 5)
+    if interrupt:
+        tensors, meta = r.state_dict()
+        checkpoint.save(tmp_path / "ckpt", 3, tensors, {"rm_refresh": meta}, keep_last=1)
+        del r
+        _, tensors, meta = checkpoint.load_latest(tmp_path / "ckpt")
+        r = RewardModelRefresher(rm_dir, pairs=replay_pairs(), cfg=cfg(**options))
+        r.load_state_dict(tensors, meta["rm_refresh"])
+    second = r.refresh(PROMPTS, WordSampler(round=1), marker_judge(), 24, 5)
+    return r, first, second
+
+
+@pytest.mark.parametrize("options", [{}, {"lora_r": 4, "lr": 1e-2}], ids=["top-layer", "lora"])
+def test_resume_across_a_refresh_is_bit_identical(tiny_rm_dir, tmp_path, options):
+    a, a1, a2 = run_two_refreshes(tiny_rm_dir, tmp_path, options, interrupt=False)
+    b, b1, b2 = run_two_refreshes(tiny_rm_dir, tmp_path, options, interrupt=True)
+    for rec in (a1, a2, b1, b2):
+        rec.pop("rm_refresh/seconds")
+    assert a1 == b1 and a2 == b2
+    assert a.trained.keys() == b.trained.keys() and all(torch.equal(a.trained[n], b.trained[n]) for n in a.trained)
+    assert (a.gain, a.bias, a.fresh, a.rng.getstate()) == (b.gain, b.bias, b.fresh, b.rng.getstate())
+    sa, sb = a.opt.state_dict()["state"], b.opt.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+    if options:
+        assert any("lora_" in n for n in a.trained)
+
+
+def test_state_from_another_setup_is_refused(tiny_rm_dir):
+    r = RewardModelRefresher(tiny_rm_dir, pairs=replay_pairs(), cfg=cfg())
+    tensors, meta = r.state_dict()
+    other = RewardModelRefresher(tiny_rm_dir, pairs=replay_pairs(8), cfg=cfg())
+    with pytest.raises(PPOLMError, match="original pairs"):
+        other.load_state_dict(tensors, meta)
+    lora = RewardModelRefresher(tiny_rm_dir, pairs=replay_pairs(), cfg=cfg(lora_r=4))
+    with pytest.raises(PPOLMError, match="other parameters"):
+        lora.load_state_dict(tensors, meta)
+
+
+@pytest.mark.parametrize("options", [{}, {"lora_r": 4, "lr": 1e-2}], ids=["top-layer", "lora"])
+def test_saved_refresh_loads_as_a_reward_model_and_scores_alike(tiny_rm_dir, tmp_path, options):
+    r = RewardModelRefresher(tiny_rm_dir, pairs=replay_pairs(), cfg=cfg(**options))
+    r.refresh(PROMPTS, WordSampler(), marker_judge(), 24, 6)
+    out = r.save(tmp_path / "refreshed")
+    assert read_norm(out) == (r.gain, r.bias)
+    assert json.loads((out / NORM_FILE).read_text())["refreshes"] == 1
+    prompts, texts = PROMPTS[:4], WordSampler(seed=9)(PROMPTS[:4])
+    loaded = RewardModel(str(out), dtype=torch.float32, device="cpu")
+    assert torch.allclose(reward_model_scorer(loaded)(prompts, texts), r.scores(prompts, texts), atol=1e-5)
+    # the frozen model PPO holds takes the refreshed weights; untouched tensors stay the same objects
+    frozen = RewardModel(str(tiny_rm_dir), dtype=torch.float32, device="cpu")
+    embed = frozen.model.model.embed_tokens.weight
+    assert not torch.allclose(reward_model_scorer(frozen)(prompts, texts), r.scores(prompts, texts), atol=1e-3)
+    assert r.load_into(frozen) > 0 and frozen.model.model.embed_tokens.weight is embed
+    assert torch.allclose(reward_model_scorer(frozen)(prompts, texts), r.scores(prompts, texts), atol=1e-5)
+    r.save(out)  # an earlier save is replaced
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    with pytest.raises(PPOLMError, match="other files"):
+        r.save(tmp_path / "other")
+    assert (tmp_path / "other" / "notes.txt").read_text() == "keep me"
+
+
+def test_ensemble_members_share_one_labelling(tiny_rm_dir):
+    members = [RewardModelRefresher(tiny_rm_dir, pairs=replay_pairs(), cfg=cfg(seed=s)) for s in (0, 1)]
+    heads = [m.model.score.weight.detach().clone() for m in members]
+    judge = marker_judge()
+    rec = refresh_ensemble(members, PROMPTS, WordSampler(), judge, 24, 4)
+    labelled = rec["rm_refresh/pairs_added"] + rec["rm_refresh/ties"]
+    assert judge.calls == labelled  # once, not once per member
+    assert all(m.fresh == members[0].fresh and len(m.fresh) == rec["rm_refresh/pairs_added"] for m in members)
+    assert all(not torch.equal(m.model.score.weight, h) for m, h in zip(members, heads))
+    name = tiny_rm_dir.name
+    per = [rec[f"rm_refresh/{name}_{i}/fresh_accuracy_after"] for i in (0, 1)]
+    assert rec["rm_refresh/fresh_accuracy_after"] == pytest.approx(sum(per) / 2)
+
+
+def test_options_and_pairs_come_from_the_reward_models_config(tiny_policy_dir, tmp_path):
+    rng = random.Random(0)
+    rows = [{"prompt": f"Say something about item {i}.", "chosen": f"{MARKER} " + " ".join(rng.choices(WORDS, k=4)),
+             "rejected": " ".join(rng.choices(WORDS, k=5))} for i in range(20)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    out = tmp_path / "rm"
+    train_reward(config.build(RewardTrainConfig, dict(
+        model=str(tiny_policy_dir), data=str(data), output_dir=str(out), epochs=1, batch_size=4, lr=2e-3,
+        train_layers=1, eval_fraction=0.25, seed=3, quiet=True, precision="fp32", normalize=True,
+        norm_source="pairs")))
+    rc = RefreshConfig.from_reward_model(out, batch_size=2)
+    assert (rc.lr, rc.train_layers, rc.batch_size, rc.seed, rc.lora_r) == (2e-3, 1, 2, 3, 0)
+    train, held = original_pairs(out)
+    assert len(train) + len(held) == 20 and len(held) == 5
+    # the same held-out pairs, in the same order, as `ppolm reward` held out and scored
+    scored = [json.loads(x) for x in (out / "eval_scores.jsonl").read_text().splitlines()]
+    r = RewardModelRefresher(out, pairs=train, cfg=rc)
+    raw = r.raw_scores([p.prompt for p in held], [p.chosen for p in held])
+    assert torch.allclose(raw, torch.tensor([s["score_chosen"] for s in scored]), atol=1e-4)
+    with pytest.raises(PPOLMError, match="unknown refresh option 'lrr'"):
+        RefreshConfig.from_reward_model(out, lrr=1.0)
+    with pytest.raises(PPOLMError, match="fresh_fraction"):
+        RefreshConfig(fresh_fraction=0.0).validate()
+    assert original_pairs(tmp_path) == ([], [])
