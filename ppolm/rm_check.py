@@ -213,22 +213,34 @@ def reward_model_scorer(rm: Any, *, chat_template: bool = True, max_length: int 
     return score
 
 
-def policy_sampler(policy: Any, tok: Any, *, response_length: int, temperature: float, chat_template: bool = True,
-                   batch_size: int = 32) -> Sampler:
-    """A causal LM as a sampler: one answer per prompt at ``temperature``, cut after EOS, decoded
-    without special tokens. Draws from torch's global random stream (which a PPO checkpoint saves)."""
+def policy_sampler(policy: Any, tok: Any, *, response_length: int, temperature: float, top_p: float = 1.0,
+                   top_k: int = 0, chat_template: bool = True, batch_size: int = 32,
+                   rng: random.Random | None = None) -> Sampler:
+    """A causal LM as a sampler: one answer per prompt, drawn as PPO draws its rollouts (``temperature``,
+    ``top_p``, ``top_k``), cut after EOS, decoded without special tokens. With ``rng``, each call
+    samples under its own seed (one draw from ``rng``) and leaves torch's random stream as it found
+    it: a check then changes nothing in the run it measures, and ``rng``'s state (in the checkpoint)
+    is all a resumed run needs to draw the same answers. Without it, torch's stream is used."""
     from ppolm import rollout as ro
     from ppolm.data import encode_prompt
+    from ppolm.runtime import seeded_rng
 
-    def sample(prompts: list[Any]) -> list[str]:
+    def draw(prompts: list[Any]) -> list[str]:
         texts: list[str] = []
         for i in range(0, len(prompts), batch_size):
             ids = [encode_prompt(p, tok, chat_template) for p in prompts[i:i + batch_size]]
             with torch.no_grad():
                 roll = ro.generate(policy, ids, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
-                                   max_new_tokens=response_length, temperature=temperature)
+                                   max_new_tokens=response_length, temperature=temperature, top_p=top_p,
+                                   top_k=top_k)
             texts += tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)
         return texts
+
+    def sample(prompts: list[Any]) -> list[str]:
+        if rng is None:
+            return draw(prompts)
+        with seeded_rng(rng.getrandbits(63), next(policy.parameters()).device):
+            return draw(prompts)
 
     return sample
 

@@ -63,6 +63,7 @@ from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
 from ppolm.reward_train import Pair, fit_norm, freeze_lower_layers, load_pairs, score_seqs
 from ppolm.rm_check import FreshPairs, Sampler, agreement, sample_pairs
+from ppolm.runtime import seeded_rng
 
 CONFIG_FILE = "reward_config.yaml"
 """Written by ``ppolm reward`` beside the model: its options, and where its pairs came from."""
@@ -179,8 +180,7 @@ class RewardModelRefresher:
                                          tokenizer=self.tokenizer)
         if self.cfg.lora_r > 0:
             # LoRA's initial draws fixed by the seed, without touching the run's own random stream
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.cfg.seed)
+            with seeded_rng(self.cfg.seed, self.device):
                 model = trainloop.apply_lora(model, self.cfg, "SEQ_CLS")
         else:
             freeze_lower_layers(model, self.cfg.train_layers)

@@ -118,6 +118,12 @@ def test_reward_model_scorer_scores_as_the_reward_model_trains(tiny_rm_dir, tiny
     m = onpolicy_check(["Review a lamp.", "Review a kettle."], sampler, score, judge(), 6, random.Random(0)).metrics
     assert m["rm/onpolicy_pairs"] + m["rm/onpolicy_ties"] + m["rm/onpolicy_skipped"] == 6
     assert m["rm/onpolicy_pairs"] >= 1 and 0.0 <= m["rm/onpolicy_accuracy"] <= 1.0
+    # with its own rng the sampler leaves torch's stream alone and repeats itself for the same seed
+    state = torch.get_rng_state()
+    first = policy_sampler(policy, tok, response_length=6, temperature=1.0, rng=random.Random(4))(["Hi"] * 4)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert policy_sampler(policy, tok, response_length=6, temperature=1.0, rng=random.Random(4))(["Hi"] * 4) == first
+    assert len(set(first)) > 1
 
 
 # --------------------------------------------------------------------------------------- alarm
