@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from ppolm import distributed
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
 
@@ -120,11 +121,42 @@ def sample_pairs(prompts: Sequence[Any], sampler: Sampler, judge: Judge, n_pairs
         return found
     before = judge.calls
     cols = {k: [v[picks[j]] for j in keep] for k, v in (columns or {}).items()}
-    labels = judge.label([chosen_prompts[j] for j in keep], [out[j] for j in keep],
-                         [out[n_pairs + j] for j in keep], rng, cols or None)
+
+    def label() -> tuple[list[float], Any, int]:
+        labels = judge.label([chosen_prompts[j] for j in keep], [out[j] for j in keep],
+                             [out[n_pairs + j] for j in keep], rng, cols or None)
+        return labels, rng.getstate(), judge.calls
+
+    if distributed.active():  # torchrun: process 0 asks the judge, once; every process gets its answers
+        labels, state, calls = distributed.on_main(label)
+        rng.setstate(state)
+        judge.calls = calls
+    else:
+        labels = label()[0]
     found.judge_calls = judge.calls - before
     found.pairs = [LabelledPair(chosen_prompts[j], out[j], out[n_pairs + j], lab) for j, lab in zip(keep, labels)]
     return found
+
+
+def sharded_sampler(sampler: Sampler) -> Sampler:
+    """Under torchrun, a sampler whose work is shared: process r of N samples prompts r, r + N, ...
+    with its own policy copy and every process gets all the answers, in the prompts' order (every
+    process must call it, as FSDP's sharded forward needs). One process: ``sampler`` itself."""
+
+    def sample(prompts: list[Any]) -> list[str]:
+        if not distributed.active():
+            return sampler(prompts)
+        r, w = distributed.rank(), distributed.world_size()
+        parts = distributed.gather_objects(list(sampler(prompts[r::w])))
+        out: list[Any] = [None] * len(prompts)
+        for k, part in enumerate(parts):
+            if len(part) != len(range(k, len(prompts), w)):
+                raise PPOLMError(f"the sampler of process {k} returned {len(part)} texts for "
+                                 f"{len(range(k, len(prompts), w))} prompts; return one per prompt")
+            out[k::w] = part
+        return out
+
+    return sample
 
 
 def agreement(preferred: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:

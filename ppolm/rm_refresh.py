@@ -57,7 +57,7 @@ from typing import Any, Literal
 
 import torch
 
-from ppolm import checkpoint, core, models, rewards, trainloop
+from ppolm import checkpoint, core, distributed, models, rewards, trainloop
 from ppolm.config_sections import LoRAOptions
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
@@ -266,9 +266,12 @@ class RewardModelRefresher:
         self.judge_calls += fresh.judge_calls
         before = self.accuracy(new)
         losses = self._train(new, pool, steps) if new else []
+        self._sync()
         after = self.accuracy(new)
         raw = self.raw_scores([p for p, _ in self.reference], [t for _, t in self.reference])
         self.gain, self.bias, _, _ = fit_norm(raw, f"{len(self.reference)} reference samples")
+        if distributed.active():  # process 0's normalisation everywhere, to the last bit
+            self.gain, self.bias = distributed.broadcast_object((self.gain, self.bias))
         record = {"rm_refresh/round": float(self.rounds), "rm_refresh/pairs_added": float(len(new)),
                   "rm_refresh/ties": float(len(fresh.pairs) - len(new)), "rm_refresh/skipped": float(fresh.skipped),
                   "rm_refresh/buffer_pairs": float(len(self.replay) + len(self.fresh)),
@@ -280,6 +283,14 @@ class RewardModelRefresher:
                   "rm_refresh/judge_calls_total": float(self.judge_calls),
                   "rm_refresh/seconds": time.perf_counter() - t0}
         return {k: v for k, v in record.items() if math.isfinite(v)}  # no pairs: no accuracy, no loss
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        """Under torchrun every process trains its own copy on the same pairs; process 0's weights are
+        then given to all, so that the copies stay equal even where the hardware's sums are not."""
+        if distributed.active():
+            for p in self.trained.values():
+                torch.distributed.broadcast(p.data, src=0)
 
     def _train(self, new: list[Pair], pool: list[Pair], steps: int) -> list[float]:
         """``steps`` optimiser steps on batches of fresh pairs (cycled through in seeded shuffles) and

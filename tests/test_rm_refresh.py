@@ -197,3 +197,61 @@ def test_options_and_pairs_come_from_the_reward_models_config(tiny_policy_dir, t
     with pytest.raises(PPOLMError, match="fresh_fraction"):
         RefreshConfig(fresh_fraction=0.0).validate()
     assert original_pairs(tmp_path) == ([], [])
+
+
+WORKER = '''
+import json, random, sys
+from dataclasses import asdict
+import torch
+from ppolm import distributed
+from ppolm.judge import Judge
+from ppolm.reward_train import Pair
+from ppolm.rm_check import sharded_sampler
+from ppolm.rm_refresh import RefreshConfig, RewardModelRefresher
+
+torch.set_num_threads(1)
+rm_dir, out = sys.argv[1], sys.argv[2]
+distributed.init("cpu", 120)
+rank = distributed.rank()
+words = "the a cat dog sun tree river house blue green".split()
+
+def sampler(prompts):  # each process its own stream; its answers carry its rank
+    rng = random.Random(rank)
+    return [" ".join([f"r{rank}"] + rng.choices(words, k=3) + (["kindly"] if rng.random() < 0.5 else []))
+            for _ in prompts]
+
+asked = []
+def count(prompts, completions, **kwargs):
+    asked.append(len(completions))
+    return [float(c.split().count("kindly")) for c in completions]
+
+pairs = [Pair(f"q{i}", " ".join(random.Random(i).choices(words, k=4)), " ".join(random.Random(-i).choices(words, k=5)))
+         for i in range(8)]
+r = RewardModelRefresher(rm_dir, pairs=pairs, cfg=RefreshConfig(lr=3e-3, batch_size=4, train_layers=1))
+start = distributed.checksum(r.trained.values())
+judge = Judge("count", count, "pointwise")
+rec = r.refresh([f"p{i}" for i in range(8)], sharded_sampler(sampler), judge, 16, 4)
+rec.pop("rm_refresh/seconds")
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump({"start": start, "end": distributed.checksum(r.trained.values()), "norm": [r.gain, r.bias],
+               "fresh": [asdict(p) for p in r.fresh], "record": rec, "asked": sum(asked), "calls": judge.calls,
+               "rng": r.rng.random()}, f)
+distributed.shutdown()
+'''
+
+
+def test_refresh_under_torchrun_keeps_the_processes_equal(tiny_rm_dir, tmp_path):
+    from test_distributed import torchrun
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    done = torchrun(2, [str(script), str(tiny_rm_dir), str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert one["end"] != one["start"]  # it trained
+    for key in ("end", "norm", "fresh", "record", "calls", "rng"):
+        assert one[key] == two[key], key
+    # the judge was asked once, by process 0, about pairs both processes sampled
+    assert one["asked"] > 0 and two["asked"] == 0 and one["calls"] == one["record"]["rm_refresh/judge_calls"]
+    texts = [t for p in one["fresh"] for t in (p["chosen"], p["rejected"])]
+    assert any(t.startswith("r0 ") for t in texts) and any(t.startswith("r1 ") for t in texts)
