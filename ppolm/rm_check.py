@@ -6,8 +6,8 @@ towards answers the proxy scores highly, and those drift away from the data the 
 its held-out accuracy, measured once on the original pairs, says nothing about them. Gao, Schulman &
 Hilton (2022, https://arxiv.org/abs/2210.10760) show the consequence: the proxy reward keeps rising
 with the KL from the start while the true reward peaks and falls. This module measures the proxy on
-the current policy's own answers, as the InstructGPT and Llama 2 teams did by hand between rounds
-(Ouyang et al. 2022; Touvron et al. 2023, section 3.2.2):
+the current policy's own answers, as the Llama 2 team did by hand between rounds of RLHF (Touvron et
+al. 2023, https://arxiv.org/abs/2307.09288, section 3.2):
 
 1. pick ``n_pairs`` prompts (a seeded shuffle of ``prompts``, repeated when more pairs than prompts
    are asked) and sample two answers to each from the current policy (one ``sampler`` call);

@@ -6,8 +6,8 @@ policy to where the proxy is high, which is soon where the proxy has seen no dat
 proxy reward keeps rising while the true reward peaks and falls (Gao, Schulman & Hilton 2022,
 https://arxiv.org/abs/2210.10760). Labelling what the policy writes now and training the proxy on it
 closes that gap where the policy actually is. Llama 2 did this by hand, retraining its reward models
-on each round's fresh comparisons (Touvron et al. 2023, section 3.2.2); InstructGPT's labellers
-also compared the latest policies' outputs (Ouyang et al. 2022).
+on each round's fresh comparisons of its latest models' answers (Touvron et al. 2023,
+https://arxiv.org/abs/2307.09288, section 3.2).
 
 What one :meth:`RewardModelRefresher.refresh` does:
 
@@ -150,7 +150,9 @@ def original_pairs(rm_dir: str | Path, seed_split: bool = True) -> tuple[list[Pa
     return train, []
 
 
-def _distinct_responses(pairs: Sequence[Pair]) -> list[tuple[Any, str]]:
+def pair_responses(pairs: Sequence[Pair]) -> list[tuple[Any, str]]:
+    """Each distinct (prompt, response) of ``pairs`` once: the texts ``ppolm reward --norm-source pairs``
+    normalises on (pass the training and held-out pairs together to match it exactly)."""
     seen: dict[str, tuple[Any, str]] = {}
     for p in pairs:
         for text in (p.chosen, p.rejected):
@@ -191,7 +193,7 @@ class RewardModelRefresher:
         self.replay = list(pairs)
         self.fresh: list[Pair] = []
         """Every fresh pair so far, in the order labelled (chosen preferred)."""
-        self.reference = list(reference) if reference is not None else _distinct_responses(self.replay)
+        self.reference = list(reference) if reference is not None else pair_responses(self.replay)
         if len(self.reference) < 2:
             raise PPOLMError("a reward-model refresh needs reference samples to re-normalise on: give the "
                              "reference (prompt, response) texts or the reward model's original pairs")
@@ -375,7 +377,7 @@ class RewardModelRefresher:
         sft.save_model(model, self.tokenizer, out, merge=True)
         rewards.write_norm(out, self.gain, self.bias, refreshes=self.rounds, fresh_pairs=len(self.fresh),
                            replay_pairs=len(self.replay), reference_samples=len(self.reference),
-                           judge_calls=self.judge_calls, source=str(self.dir))
+                           judge_calls=self.judge_calls, refreshed_from=str(self.dir))
         return out
 
     # ------------------------------------------------------------------------------ checkpoint
