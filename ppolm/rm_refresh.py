@@ -150,6 +150,14 @@ def original_pairs(rm_dir: str | Path, seed_split: bool = True) -> tuple[list[Pa
     return train, []
 
 
+def _json_or_empty(path: Path) -> dict[str, Any]:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def pair_responses(pairs: Sequence[Pair]) -> list[tuple[Any, str]]:
     """Each distinct (prompt, response) of ``pairs`` once: the texts ``ppolm reward --norm-source pairs``
     normalises on (pass the training and held-out pairs together to match it exactly)."""
@@ -180,6 +188,8 @@ class RewardModelRefresher:
         self.tokenizer = models.load_tokenizer(self.dir)
         model = models.load_scalar_model(self.dir, head_init="keep", dtype=torch.float32, device=self.device,
                                          tokenizer=self.tokenizer)
+        self.start = distributed.checksum(p for _, p in sorted(model.named_parameters()))
+        """Fingerprint of the weights as loaded: a resumed run must start from the same reward model."""
         if self.cfg.lora_r > 0:
             # LoRA's initial draws fixed by the seed, without touching the run's own random stream
             with seeded_rng(self.cfg.seed, self.device):
@@ -366,8 +376,10 @@ class RewardModelRefresher:
         from ppolm import sft
 
         out = Path(out_dir)
-        norm = out / rewards.NORM_FILE
-        if out.exists() and any(out.iterdir()) and not (norm.is_file() and "refreshes" in norm.read_text()):
+        if out.exists() and out.resolve() == self.dir.resolve():
+            raise PPOLMError(f"{out} is the reward model being refreshed (a resumed run reloads it); save the "
+                             "refreshed one to another directory")
+        if out.exists() and any(out.iterdir()) and "refreshes" not in _json_or_empty(out / rewards.NORM_FILE):
             raise PPOLMError(f"{out} already holds other files; save the refreshed reward model to a new directory")
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -389,7 +401,7 @@ class RewardModelRefresher:
         tensors = {f"{prefix}.w.{n}": p.detach().cpu().contiguous() for n, p in self.trained.items()}
         opt_t, opt_meta = checkpoint.optimizer_state(self.opt, f"{prefix}.opt")
         tensors.update(opt_t)
-        meta = {"trained": list(self.trained), "optimizer": opt_meta, "fresh": [asdict(p) for p in self.fresh],
+        meta = {"start": self.start, "trained": list(self.trained), "optimizer": opt_meta, "fresh": [asdict(p) for p in self.fresh],
                 "replay_pairs": len(self.replay), "reference": [list(x) for x in self.reference],
                 "gain": self.gain, "bias": self.bias, "rng": checkpoint._jsonable(self.rng.getstate()),
                 "rounds": self.rounds, "judge_calls": self.judge_calls}
@@ -400,6 +412,9 @@ class RewardModelRefresher:
                         prefix: str = "rm_refresh") -> None:
         """Restore what :meth:`state_dict` saved, into a refresher built with the same options, reward
         model and original pairs."""
+        if meta.get("start") != self.start:
+            raise PPOLMError(f"the reward model in {self.dir} is not the one the checkpoint's refresh started from "
+                             "(its weights changed); resume with the reward model the run started with")
         if meta["trained"] != list(self.trained):
             raise PPOLMError("the checkpoint's reward-model refresh trained other parameters than this one; "
                              "resume with the same reward model and refresh options")
@@ -443,3 +458,143 @@ def refresh_ensemble(refreshers: Sequence[RewardModelRefresher], prompts: Sequen
             out[key.replace("rm_refresh/", f"rm_refresh/{name}/")] = v
     out["rm_refresh/seconds"] = time.perf_counter() - t0
     return out
+
+
+# ------------------------------------------------------------------------------------ in a PPO run
+
+@dataclass
+class GuardOptions:
+    """When a PPO run checks and refreshes its reward models (``ppolm ppo``'s --rm-check-* and
+    --rm-refresh-* options)."""
+
+    check_every: int = 0
+    """Check every N steps; 0: at each held-out evaluation."""
+    check_pairs: int = 64
+    """Answer pairs per check; 0: no check."""
+    refresh_every: int = 0
+    """Refresh every K steps; 0: never."""
+    refresh_pairs: int = 64
+    """Answer pairs labelled per refresh."""
+    refresh_steps: int = 32
+    """Reward-model optimiser steps per refresh."""
+
+    def validate(self) -> None:
+        for name in ("check_every", "check_pairs", "refresh_every"):
+            if getattr(self, name) < 0:
+                raise PPOLMError(f"--rm-{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
+        if self.refresh_every and (self.refresh_pairs < 1 or self.refresh_steps < 1):
+            raise PPOLMError("--rm-refresh-every needs --rm-refresh-pairs >= 1 and --rm-refresh-steps >= 1")
+
+
+class RewardModelGuard:
+    """The on-policy check and the refresh of a PPO run's reward models, with one random stream of its
+    own: neither changes the run's sampling stream, and its state (:meth:`state_dict`) is all a
+    resumed run needs to repeat them.
+
+    ``reward_models``: PPO's frozen :class:`ppolm.rewards.RewardModel` objects (the ensemble, in order);
+    a refresh trains each one's own copy and then loads it into them (:meth:`RewardModelRefresher.load_into`),
+    training exactly what ``ppolm reward`` trained (read from ``reward_config.yaml``), which PPO never
+    shares with the reference policy. ``heldout``: the pairs for ``rm/heldout_accuracy``; default: the
+    first reward model's own held-out pairs (:func:`original_pairs`), none when they cannot be read.
+    """
+
+    def __init__(self, reward_models: Sequence[rewards.RewardModel], judge: Judge, opts: GuardOptions, *,
+                 seed: int, device: str | torch.device, precision: Literal["bf16", "fp32"] = "fp32",
+                 ensemble_rule: str = "mean", chat_template: bool = True, max_length: int = 512,
+                 heldout: Sequence[Pair] | None = None):
+        from ppolm.rm_check import ensemble_scorer, reward_model_scorer
+
+        opts.validate()
+        if not reward_models:
+            raise PPOLMError("--judge checks and refreshes a reward model: give --reward-model DIR")
+        self.rms, self.judge, self.opts = list(reward_models), judge, opts
+        self.scorer = ensemble_scorer([reward_model_scorer(rm, chat_template=chat_template, max_length=max_length)
+                                       for rm in self.rms], ensemble_rule)
+        if heldout is None:
+            try:
+                heldout = original_pairs(self.rms[0].dir)[1]
+            except PPOLMError:
+                heldout = []
+        self.heldout = list(heldout)
+        self.refreshers = []
+        for i, rm in enumerate(self.rms if opts.refresh_every else []):
+            train, held = original_pairs(rm.dir)
+            cfg = RefreshConfig.from_reward_model(rm.dir, precision=precision, seed=seed + i)
+            self.refreshers.append(RewardModelRefresher(rm.dir, pairs=train, reference=pair_responses(train + held),
+                                                        cfg=cfg, device=device))
+        self.rng = random.Random(seed)
+
+    def sampler(self, policy: Any, tok: Any, **generation: Any) -> Sampler:
+        """The policy as the check's and refresh's sampler (``generation``: response_length, temperature,
+        top_p, top_k, chat_template, batch_size of :func:`ppolm.rm_check.policy_sampler`), seeded from
+        this guard's stream and shared by the processes of a torchrun job."""
+        from ppolm.rm_check import policy_sampler, sharded_sampler
+
+        return sharded_sampler(policy_sampler(policy, tok, rng=self.rng, **generation))
+
+    def check_due(self, step: int, evaluating: bool) -> bool:
+        """Whether the check runs at ``step``: with each held-out evaluation, or every --rm-check-every steps."""
+        if not self.opts.check_pairs:
+            return False
+        return evaluating if self.opts.check_every == 0 else step % self.opts.check_every == 0
+
+    def check(self, prompts: Sequence[Any], sampler: Sampler,
+              columns: dict[str, list[Any]] | None = None) -> dict[str, float]:
+        """The ``rm/...`` metrics of :func:`ppolm.rm_check.onpolicy_check` for the current policy."""
+        from ppolm.rm_check import onpolicy_check
+
+        return onpolicy_check(prompts, sampler, self.scorer, self.judge, self.opts.check_pairs, self.rng,
+                              heldout=self.heldout, columns=columns).metrics
+
+    def refresh_due(self, step: int) -> bool:
+        """Whether a refresh follows update ``step`` (counted from 1): every --rm-refresh-every updates."""
+        return bool(self.opts.refresh_every) and step > 0 and step % self.opts.refresh_every == 0
+
+    def refresh(self, prompts: Sequence[Any], sampler: Sampler,
+                columns: dict[str, list[Any]] | None = None) -> dict[str, float]:
+        """Refresh every reward model on one set of fresh pairs and load the result into PPO's frozen
+        models; returns the ``rm_refresh/...`` record."""
+        o = self.opts
+        if len(self.refreshers) == 1:
+            record = self.refreshers[0].refresh(prompts, sampler, self.judge, o.refresh_pairs, o.refresh_steps,
+                                                self.rng, columns=columns)
+        else:
+            record = refresh_ensemble(self.refreshers, prompts, sampler, self.judge, o.refresh_pairs,
+                                      o.refresh_steps, self.rng, columns=columns)
+        for refresher, rm in zip(self.refreshers, self.rms):
+            refresher.load_into(rm)
+        return record
+
+    def save(self, out_dir: str | Path) -> list[Path]:
+        """The refreshed reward models, as reward-model directories: ``out_dir/reward_model_refreshed``
+        (with an ensemble, one sub-directory per member); nothing before the first refresh."""
+        root = Path(out_dir) / "reward_model_refreshed"
+        if not self.refreshers or not self.refreshers[0].rounds:
+            return []
+        if len(self.refreshers) == 1:
+            return [self.refreshers[0].save(root)]
+        return [r.save(root / f"{i}_{r.name}") for i, r in enumerate(self.refreshers)]
+
+    def state_dict(self, prefix: str = "rm_guard") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, JSON meta) for :func:`ppolm.checkpoint.save`: the stream, the judge's count and each
+        refresher's state."""
+        tensors: dict[str, torch.Tensor] = {}
+        members = []
+        for i, r in enumerate(self.refreshers):
+            t, m = r.state_dict(f"{prefix}.{i}")
+            tensors.update(t)
+            members.append(m)
+        return tensors, {"rng": checkpoint._jsonable(self.rng.getstate()), "judge_calls": self.judge.calls,
+                         "refreshers": members}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], prefix: str = "rm_guard") -> None:
+        """Restore :meth:`state_dict`'s state and give PPO's frozen models the refreshed weights again."""
+        if len(meta["refreshers"]) != len(self.refreshers):
+            raise PPOLMError(f"the checkpoint refreshed {len(meta['refreshers'])} reward models, this run "
+                             f"{len(self.refreshers)}; resume with the same --reward-model and --rm-refresh-every")
+        self.rng.setstate(checkpoint._tupled(meta["rng"]))
+        self.judge.calls = int(meta["judge_calls"])
+        for i, (r, m, rm) in enumerate(zip(self.refreshers, meta["refreshers"], self.rms)):
+            r.load_state_dict(tensors, m, f"{prefix}.{i}")
+            if r.rounds:
+                r.load_into(rm)

@@ -12,6 +12,7 @@ import torch
 from ppolm import checkpoint, config
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
+from ppolm.models import build_tiny_model_dir
 from ppolm.reward_train import Pair, RewardTrainConfig, train_reward
 from ppolm.rewards import NORM_FILE, RewardModel, read_norm
 from ppolm.rm_check import reward_model_scorer
@@ -123,7 +124,7 @@ def test_resume_across_a_refresh_is_bit_identical(tiny_rm_dir, tmp_path, options
         assert any("lora_" in n for n in a.trained)
 
 
-def test_state_from_another_setup_is_refused(tiny_rm_dir):
+def test_state_from_another_setup_is_refused(tiny_rm_dir, tmp_path):
     r = RewardModelRefresher(tiny_rm_dir, pairs=replay_pairs(), cfg=cfg())
     tensors, meta = r.state_dict()
     other = RewardModelRefresher(tiny_rm_dir, pairs=replay_pairs(8), cfg=cfg())
@@ -132,6 +133,11 @@ def test_state_from_another_setup_is_refused(tiny_rm_dir):
     lora = RewardModelRefresher(tiny_rm_dir, pairs=replay_pairs(), cfg=cfg(lora_r=4))
     with pytest.raises(PPOLMError, match="other parameters"):
         lora.load_state_dict(tensors, meta)
+    another = build_tiny_model_dir(tmp_path / "another", kind="scalar", seed=2)
+    with pytest.raises(PPOLMError, match="not the one the checkpoint's refresh started from"):
+        RewardModelRefresher(another, pairs=replay_pairs(), cfg=cfg()).load_state_dict(tensors, meta)
+    with pytest.raises(PPOLMError, match="being refreshed"):
+        r.save(tiny_rm_dir)
 
 
 @pytest.mark.parametrize("options", [{}, {"lora_r": 4, "lr": 1e-2}], ids=["top-layer", "lora"])
@@ -255,3 +261,62 @@ def test_refresh_under_torchrun_keeps_the_processes_equal(tiny_rm_dir, tmp_path)
     assert one["asked"] > 0 and two["asked"] == 0 and one["calls"] == one["record"]["rm_refresh/judge_calls"]
     texts = [t for p in one["fresh"] for t in (p["chosen"], p["rejected"])]
     assert any(t.startswith("r0 ") for t in texts) and any(t.startswith("r1 ") for t in texts)
+
+
+def test_guard_checks_and_refreshes_in_a_loop_and_resumes_bit_identically(tiny_policy_dir, tmp_path):
+    """The calls a PPO run makes (check at evaluations, refresh every 2 updates, checkpoint, resume),
+    on a tiny policy: a run rebuilt from a checkpoint after a refresh ends where an unbroken one does."""
+    from ppolm import models
+    from ppolm.rm_refresh import GuardOptions, RewardModelGuard
+
+    rng = random.Random(0)
+    rows = [{"prompt": f"Say something about item {i}.", "chosen": " ".join(rng.choices(WORDS, k=6)),
+             "rejected": " ".join(rng.choices(WORDS, k=2))} for i in range(16)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    rm_dir = tmp_path / "rm"
+    train_reward(config.build(RewardTrainConfig, dict(
+        model=str(tiny_policy_dir), data=str(data), output_dir=str(rm_dir), epochs=1, batch_size=4, lr=2e-3,
+        train_layers=1, eval_fraction=0.25, quiet=True, precision="fp32", norm_source="pairs")))
+    longer = Judge(spec="chars", fn=lambda prompts, completions, **kw: [float(len(c)) for c in completions],
+                   kind="pointwise")
+    probe = (PROMPTS[:3], ["a cat", "the old red road", "sun"])
+
+    def build():
+        rm = RewardModel(str(rm_dir), dtype=torch.float32, device="cpu")
+        tok = models.load_tokenizer(tiny_policy_dir)
+        policy = models.load_causal_lm(tiny_policy_dir, tokenizer=tok)
+        guard = RewardModelGuard([rm], longer, GuardOptions(check_pairs=6, refresh_every=2, refresh_pairs=8,
+                                                            refresh_steps=3), seed=0, device="cpu")
+        return rm, guard, guard.sampler(policy, tok, response_length=6, temperature=1.0)
+
+    def run(interrupt: bool):
+        rm, guard, sampler = build()
+        start = reward_model_scorer(rm)(*probe)
+        log = []
+        for step in range(5):
+            row = {}
+            if guard.check_due(step, evaluating=step % 2 == 0):
+                row.update(guard.check(PROMPTS, sampler))
+            if guard.refresh_due(step):
+                row.update(guard.refresh(PROMPTS, sampler))
+            log.append({k: v for k, v in row.items() if not k.startswith("time/") and not k.endswith("seconds")})
+            if interrupt and step == 2:  # killed after the first refresh's checkpoint; a new process resumes
+                tensors, meta = guard.state_dict()
+                checkpoint.save(tmp_path / "ckpt", step, tensors, {"guard": meta}, keep_last=1)
+                rm, guard, sampler = build()
+                _, tensors, meta = checkpoint.load_latest(tmp_path / "ckpt")
+                guard.load_state_dict(tensors, meta["guard"])
+        return log, start, reward_model_scorer(rm)(*probe), guard
+
+    a_log, a_start, a_end, a = run(False)
+    b_log, _, b_end, b = run(True)
+    assert a_log == b_log and torch.equal(a_end, b_end) and a.judge.calls == b.judge.calls
+    assert [("rm/onpolicy_accuracy" in r, "rm_refresh/round" in r) for r in a_log] == \
+        [(True, False), (False, False), (True, True), (False, False), (True, True)]
+    assert a_log[4]["rm_refresh/round"] == 2 and a_log[0]["rm/heldout_pairs"] == 4
+    assert not torch.allclose(a_start, a_end)  # PPO's frozen model scores as the refreshed one
+    saved = a.save(tmp_path / "run")
+    assert saved == [tmp_path / "run" / "reward_model_refreshed"]
+    again = RewardModel(str(saved[0]), dtype=torch.float32, device="cpu")
+    assert torch.allclose(reward_model_scorer(again)(*probe), a_end, atol=1e-5)
