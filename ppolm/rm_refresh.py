@@ -116,6 +116,8 @@ class RefreshConfig(LoRAOptions):
         known = {k: v for k, v in saved.items() if k in names and v is not None}
         if saved.get("precision") in ("bf16", "fp32"):
             known["precision"] = saved["precision"]
+        if saved.get("group_by_prompt"):  # its batch size counted prompts, each with many pairs
+            known.pop("batch_size", None)
         bad = sorted(set(overrides) - {x.name for x in fields(cls)})
         if bad:
             raise PPOLMError(f"unknown refresh option '{bad[0]}'; known: {', '.join(x.name for x in fields(cls))}")
@@ -124,7 +126,7 @@ class RefreshConfig(LoRAOptions):
         return cfg
 
 
-def original_pairs(rm_dir: str | Path, seed_split: bool = True) -> tuple[list[Pair], list[Pair]]:
+def original_pairs(rm_dir: str | Path) -> tuple[list[Pair], list[Pair]]:
     """(training pairs, held-out pairs) of the reward model in ``rm_dir``, read from the files its
     ``reward_config.yaml`` names: ``data``, and ``eval_data`` or the seeded ``eval_fraction`` of
     ``data`` that ``ppolm reward`` held out (the same split). ([], []) without a config file."""
@@ -137,15 +139,15 @@ def original_pairs(rm_dir: str | Path, seed_split: bool = True) -> tuple[list[Pa
     margin = saved.get("margin_column", "margin")
     for key in ("data", "eval_data"):
         path = saved.get(key)
-        if path and not Path(path).is_file():
-            raise PPOLMError(f"the reward model's {key} {path} (from {f}) is not there; run from the directory it "
-                             "was trained in or give its pairs explicitly")
+        if path and not Path(path).exists():
+            raise PPOLMError(f"the reward model's {key} {path} (named in {f}) is not there; its pairs are replayed "
+                             "when it is refreshed: run from the directory `ppolm reward` ran in, or restore the file")
     if not saved.get("data"):
         return [], []
     train = load_pairs(saved["data"], margin)
     if saved.get("eval_data"):
         return train, load_pairs(saved["eval_data"], margin)
-    if seed_split and float(saved.get("eval_fraction", 0.0)) > 0:
+    if float(saved.get("eval_fraction", 0.0)) > 0:
         return trainloop.split_rows(train, float(saved["eval_fraction"]), int(saved.get("seed", 0)))
     return train, []
 
