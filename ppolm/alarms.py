@@ -209,6 +209,29 @@ def over_optimisation(rows: Rows, *, proxy: str, gold: str, n_se: float = 2.0) -
     return None
 
 
+def reward_model_drift(rows: Rows, *, n_se: float = 2.0, min_drop: float = 0.05) -> Alarm | None:
+    """The proxy reward model losing touch with the judge on the policy's own answers: the on-policy
+    agreement ``rm/onpolicy_accuracy`` (:mod:`ppolm.rm_check`) falls below its first value by more
+    than ``n_se`` (2) standard errors of the difference, ``hypot(se_start, se_now)`` from
+    ``rm/onpolicy_accuracy_se``, *and* by more than ``min_drop`` (0.05, five points of accuracy).
+    The first condition keeps a few dozen noisy pairs from firing it (64 pairs at 0.7 have an SE of
+    0.057, so a drop must exceed 0.16); the second keeps a large check from firing on a drop too small
+    to matter. The proxy is then rewarding what the judge does not prefer (Gao et al. 2022)."""
+    checks = [(int(r.get("step", i)), float(r["rm/onpolicy_accuracy"]), _num(r.get("rm/onpolicy_accuracy_se")))
+              for i, r in enumerate(rows) if _finite(r.get("rm/onpolicy_accuracy"))]
+    if len(checks) < 2:
+        return None
+    step0, base, se0 = checks[0]
+    for step, now, se_now in checks[1:]:
+        limit = max(n_se * math.hypot(se0, se_now), min_drop)
+        if base - now > limit:
+            return Alarm("reward_model_drift", step, f"the reward model agrees with the judge on {now:.0%} of the "
+                         f"policy's own answer pairs, down from {base:.0%} at step {step0}: it is being "
+                         "over-optimised (refresh it with --rm-refresh-every, use the best-gold checkpoint, or "
+                         "raise --kl-coef)", {"accuracy": now, "baseline": base, "drop_limit": limit})
+    return None
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -221,7 +244,7 @@ def check_all(rows: Rows, *, kl_target: float | None = None, proxy: str | None =
               gold: str | None = None) -> list[Alarm]:
     """Every alarm that fired, in step order. The over-optimisation check needs both metric names."""
     found: list[Alarm | None] = [length_drift(rows), entropy_collapse(rows), kl_runaway(rows, target=kl_target),
-                                 advantage_explosion(rows), value_not_learning(rows)]
+                                 advantage_explosion(rows), value_not_learning(rows), reward_model_drift(rows)]
     if proxy and gold:
         found.append(over_optimisation(rows, proxy=proxy, gold=gold))
     return sorted((a for a in found if a is not None), key=lambda a: a.step)
