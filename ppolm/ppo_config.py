@@ -75,6 +75,24 @@ class RewardConfig:
     """PPO (--advantage gae): what the score is divided by before the KL penalty is added, from the spread of the scores around their own batch's mean, pooled over every batch so far (ppolm.core.RunningScale.spread, ppolm.core.score_unit; objective/score_scale logs the divisor, the logged scores stay raw): the std of every score together also counts the policy's progress: on a reward climbed from -110 to -10 it grew fivefold, to twice the spread within the batches, shrinking what PPO learns from towards the size of the KL penalty (docs/learning.md, "The score unit from the spread within batches"). auto: nothing while that spread lies in [0.05, 0.5], the spread of the [0, 1] rewards the default --kl-coef was measured on, else the factor that brings it to the nearer edge; without it, in bench/learning.py, a reward 10x smaller learnt a third as much (the KL penalty outweighed it) and one 10x larger ran at 2.5-3x the KL target for its last 10 steps. std: the spread itself (reward scaling, Engstrom et al. 2020; beta is then per std, e.g. --kl-coef 0.05). none: raw scores."""
     score_center: Literal["auto", "running", "none"] = "auto"
     """PPO (--advantage gae): what is subtracted from each score before it is divided (--score-scale) and the KL penalty is added, from the running mean and std of every score so far (ppolm.core.score_center; objective/score_center logs it). Until the zero-initialised value head has learnt a reward's offset, GAE with lambda < 1 hands every response's late tokens more of it than its early ones: a positive offset rewards ending the answer, a negative one penalises it (in bench/learning.py exclaim + 3 learnt a third as much within twice the KL target). auto (default): the running mean's part beyond two running stds from 0, so a reward far from 0 (one that is never positive, one that starts at 3) is brought to the edge of that band, and one within it, as the [0, 1] rewards the defaults were measured on are while their mean is under 0.8, is left as it is (a critic that keeps the reward model's head is moved alike: --critic-init). running: the whole running mean, so a reward r and r + c train the same policy (reward centering, Naik et al. 2024, arXiv:2405.09999; InstructGPT shifts its reward model to mean 0 on the reference's samples for the same reason; on the benchmark's [0, 1] rewards it learnt no more than leaving them). none: the scores as they are. Critic-free estimators (--advantage grpo, rloo, ...) are offset-free by construction."""
+    reward_url: list[str] = field(default_factory=list)
+    """Reward service URL (OpenRLHF's /get_reward protocol, e.g. from `ppolm serve-rm`); repeatable, one source each.
+    Comma-separated URLs are replicas sharing the batch (docs/rewards.md)."""
+    reward_url_weights: list[float] = field(default_factory=list)
+    """One weight per --reward-url, in order (default 1 each)."""
+    reward_url_batch_size: int = 64
+    """Most prompt+response texts per request to a reward service; larger batches are split into several requests."""
+    reward_url_timeout: float = 60.0
+    """Seconds a reward service may take to answer one request before the request counts as failed."""
+    reward_url_retries: int = 2
+    """Further tries of a failed request (unreachable, timed out, HTTP 408/429/5xx), after 0.5 s, 1 s, 2 s, ..."""
+    reward_url_label_column: str = "label"
+    """Prompts-file column sent as the request's 'labels' (null where a row has none)."""
+    reward_judge: list[str] = field(default_factory=list)
+    """LLM judge 'openai:MODEL@BASE_URL[,option=value...]' rating each answer 1-10, mapped to [0, 1]; repeatable.
+    API key, template, options: docs/rewards.md."""
+    reward_judge_weights: list[float] = field(default_factory=list)
+    """One weight per --reward-judge, in order (default 1 each)."""
 
 
 @dataclass
@@ -298,9 +316,18 @@ class PPOConfig:
              f"--update-kl-max must be > 0 (or none); got {a.update_kl_max}")
         need(a.ptx_coef >= 0, "--ptx-coef must be >= 0")
         need(a.ptx_coef == 0 or a.ptx_data is not None, "--ptx-coef > 0 needs --ptx-data FILE (a text corpus)")
-        need(bool(r.reward_fn or r.reward_model),
-             "no reward given: pass --reward-fn FILE.py:fn (TRL GRPO convention) or --reward-model DIR; for the "
-             "built-in sentiment reward use --reward-fn ppolm.builtin_rewards:positive_sentiment")
+        need(bool(r.reward_fn or r.reward_model or r.reward_url or r.reward_judge),
+             "no reward given: pass --reward-fn FILE.py:fn (TRL GRPO convention), --reward-model DIR, --reward-url URL "
+             "or --reward-judge SPEC; for the built-in sentiment reward use --reward-fn "
+             "ppolm.builtin_rewards:positive_sentiment")
+        for opt, weights, sources in (("url", r.reward_url_weights, r.reward_url),
+                                      ("judge", r.reward_judge_weights, r.reward_judge)):
+            need(not weights or len(weights) == len(sources), f"--reward-{opt}-weights has {len(weights)} values for "
+                 f"{len(sources)} --reward-{opt}; give one per source")
+        need(r.reward_url_batch_size >= 1, f"--reward-url-batch-size must be >= 1; got {r.reward_url_batch_size}")
+        need(math.isfinite(r.reward_url_timeout) and r.reward_url_timeout > 0,
+             f"--reward-url-timeout must be > 0 seconds; got {r.reward_url_timeout}")
+        need(r.reward_url_retries >= 0, f"--reward-url-retries must be >= 0; got {r.reward_url_retries}")
         need(not r.reward_fn_weights or len(r.reward_fn_weights) == len(r.reward_fn),
              f"--reward-fn-weights has {len(r.reward_fn_weights)} values for {len(r.reward_fn)} --reward-fn; give one per function")
         need(r.length_penalty >= 0, "--length-penalty must be >= 0")
