@@ -109,7 +109,9 @@ async def post_json(client: Any, url: str, body: dict[str, Any], *, retries: int
 def shards(n: int, batch_size: int, replicas: int) -> list[range]:
     """Cut rows 0..n-1 into contiguous, near-equal requests of at most ``batch_size`` rows, at least
     one per replica while there are rows enough."""
-    k = max(math.ceil(n / batch_size), min(replicas, n)) if n else 0
+    if n == 0:
+        return []
+    k = max(math.ceil(n / batch_size), min(replicas, n))
     bounds = [round(i * n / k) for i in range(k + 1)]
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
