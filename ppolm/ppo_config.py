@@ -317,9 +317,8 @@ class PPOConfig:
         need(a.ptx_coef >= 0, "--ptx-coef must be >= 0")
         need(a.ptx_coef == 0 or a.ptx_data is not None, "--ptx-coef > 0 needs --ptx-data FILE (a text corpus)")
         need(bool(r.reward_fn or r.reward_model or r.reward_url or r.reward_judge),
-             "no reward given: pass --reward-fn FILE.py:fn (TRL GRPO convention), --reward-model DIR, --reward-url URL "
-             "or --reward-judge SPEC; for the built-in sentiment reward use --reward-fn "
-             "ppolm.builtin_rewards:positive_sentiment")
+             "no reward given: pass --reward-fn FILE.py:fn (TRL GRPO convention) or --reward-model DIR; for the "
+             "built-in sentiment reward use --reward-fn ppolm.builtin_rewards:positive_sentiment")
         for opt, weights, sources in (("url", r.reward_url_weights, r.reward_url),
                                       ("judge", r.reward_judge_weights, r.reward_judge)):
             need(not weights or len(weights) == len(sources), f"--reward-{opt}-weights has {len(weights)} values for "
