@@ -76,8 +76,8 @@ class RewardConfig:
     score_center: Literal["auto", "running", "none"] = "auto"
     """PPO (--advantage gae): what is subtracted from each score before it is divided (--score-scale) and the KL penalty is added, from the running mean and std of every score so far (ppolm.core.score_center; objective/score_center logs it). Until the zero-initialised value head has learnt a reward's offset, GAE with lambda < 1 hands every response's late tokens more of it than its early ones: a positive offset rewards ending the answer, a negative one penalises it (in bench/learning.py exclaim + 3 learnt a third as much within twice the KL target). auto (default): the running mean's part beyond two running stds from 0, so a reward far from 0 (one that is never positive, one that starts at 3) is brought to the edge of that band, and one within it, as the [0, 1] rewards the defaults were measured on are while their mean is under 0.8, is left as it is (a critic that keeps the reward model's head is moved alike: --critic-init). running: the whole running mean, so a reward r and r + c train the same policy (reward centering, Naik et al. 2024, arXiv:2405.09999; InstructGPT shifts its reward model to mean 0 on the reference's samples for the same reason; on the benchmark's [0, 1] rewards it learnt no more than leaving them). none: the scores as they are. Critic-free estimators (--advantage grpo, rloo, ...) are offset-free by construction."""
     reward_url: list[str] = field(default_factory=list)
-    """Reward service URL (OpenRLHF's /get_reward protocol, e.g. from `ppolm serve-rm`); repeatable, one source each.
-    Comma-separated URLs are replicas sharing the batch (docs/rewards.md)."""
+    """Reward service URL (OpenRLHF's /get_reward protocol, e.g. `ppolm serve-rm`); repeatable.
+    Comma-separated URLs: replicas sharing a batch (docs/rewards.md)."""
     reward_url_weights: list[float] = field(default_factory=list)
     """One weight per --reward-url, in order (default 1 each)."""
     reward_url_batch_size: int = 64

@@ -13,6 +13,7 @@ import shutil
 import socket
 import time
 
+import httpx
 import pytest
 import torch
 from starlette.applications import Starlette
@@ -255,14 +256,20 @@ def test_ppo_with_serve_rm_scores_as_in_process(micro_policy, other_vocab_rm, tm
     server = start(config.build(ServeRMConfig, {"reward_model": str(other_vocab_rm), "port": 0, "precision": "fp32",
                                                 "device": "cpu"}))
     try:
+        held = tmp_path / "held.txt"
+        held.write_text("Say something.\nName a colour.\nCount to three.\n")
         cfg = ppo_cfg(micro_policy, tmp_path / "run", reward_model=[str(other_vocab_rm)], reward_url=[server.url],
-                      reward_url_weights=[0.0], critic_init="policy")
+                      reward_url_weights=[0.0], critic_init="policy", eval_prompts=str(held), eval_every=1)
         result = train_ppo(cfg)
-        health = json.loads(__import__("httpx").get(server.url + "/health").text)
+        health = json.loads(httpx.get(server.url + "/health").text)
     finally:
         server.stop()
     name = f"127.0.0.1:{server.port}"
-    assert len(result.metrics) == 2 and health["requests"] == 2
+    assert len(result.metrics) == 2 and health["requests"] == 2 + 3  # 2 steps, held-out scores at 0, 1, 2 updates
+    evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert len(evals) == 3
+    for row in evals:  # the held-out prompts are scored by the service too, as in-process
+        assert row[f"eval/{name}"] == pytest.approx(row["eval/rm_text"], abs=1e-6)
     for row in result.metrics:
         assert math.isfinite(row["reward/rm_text"])
         assert row[f"reward/{name}"] == pytest.approx(row["reward/rm_text"], abs=1e-6)
