@@ -86,8 +86,11 @@ async def post_json(client: Any, url: str, body: dict[str, Any], *, retries: int
         if attempt:
             await asyncio.sleep(min(BACKOFF_S * 2 ** (attempt - 1), BACKOFF_MAX_S))
         try:
-            r = await client.post(url, json=body, headers=headers, timeout=timeout)
-        except httpx.TimeoutException:
+            async with asyncio.timeout(timeout):  # the whole request, however slowly its bytes trickle in
+                r = await client.post(url, content=json.dumps(body, ensure_ascii=False).encode(),
+                                      headers={"content-type": "application/json", **(headers or {})},
+                                      timeout=timeout)
+        except (httpx.TimeoutException, TimeoutError):
             problem = f"did not answer within {timeout:g} s"
             continue
         except httpx.HTTPError as e:
@@ -104,6 +107,20 @@ async def post_json(client: Any, url: str, body: dict[str, Any], *, retries: int
             raise PPOLMError(f"{what} answered with a body that is not JSON: {snippet(r.text) or '(empty)'}") from None
     tries = f"{retries + 1} tries" if retries else "1 try"
     raise ServiceDown(f"{what} {problem} ({tries})")
+
+
+def jsonable(value: Any) -> Any:
+    """A label as JSON can carry it: array scalars as Python numbers, NaN and infinities as null,
+    anything else JSON cannot hold as its str()."""
+    if hasattr(value, "tolist"):  # numpy / torch scalars and arrays (a parquet column's values)
+        value = value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return str(value)
+    return value
 
 
 def shards(n: int, batch_size: int, replicas: int) -> list[range]:
@@ -155,7 +172,7 @@ class RemoteReward:
             async def one(i: int, rows: range) -> list[float] | ServiceDown:
                 url = self.endpoints[i % len(self.endpoints)]
                 body = {"query": [batch.queries[j] for j in rows], "prompts": [prompts[j] for j in rows],
-                        "labels": [labels[j] for j in rows]}
+                        "labels": [jsonable(labels[j]) for j in rows]}
                 try:
                     answer = await post_json(client, url, body, retries=self.retries, timeout=self.timeout,
                                              what=f"reward service {url}")

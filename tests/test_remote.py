@@ -18,7 +18,7 @@ import pytest
 import torch
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ppolm import config
@@ -60,6 +60,13 @@ class Service:
             await asyncio.sleep(3)
             return reply({"rewards": [0.0] * len(body["query"])})
 
+        async def trickle(body, n):  # a byte every 0.1 s: each read is quick, the whole answer is not
+            async def chunks():
+                for _ in range(30):
+                    await asyncio.sleep(0.1)
+                    yield b" "
+            return StreamingResponse(chunks(), media_type="application/json")
+
         async def wrong_count(body, n):
             return reply({"rewards": [0.0] * (len(body["query"]) + 1)})
 
@@ -87,7 +94,7 @@ class Service:
         async def down_later(body, n):
             return await ok(body, n) if n == 1 else await fail(body, n)
 
-        behaviours = dict(ok=ok, ok2=ok, get_reward=ok, fail=fail, stall=stall, wrong_count=wrong_count, nan=nan,
+        behaviours = dict(ok=ok, ok2=ok, get_reward=ok, fail=fail, stall=stall, trickle=trickle, wrong_count=wrong_count, nan=nan,
                           strings=strings, not_json=not_json, no_rewards=no_rewards, refused=refused, flaky=flaky,
                           nan_later=nan_later, down_later=down_later)
         self.server = RunningServer(Starlette(routes=[route(k, v) for k, v in behaviours.items()]),
@@ -119,6 +126,9 @@ def test_request_body_and_scores(service):
     assert parts["reward/svc"].tolist() == pytest.approx([0.02, 0.04, 0.08])
     assert total.tolist() == pytest.approx([0.04, 0.08, 0.16])  # weighted
     assert service.calls["ok"][-1] == {"query": QUERIES, "prompts": ["ab", "ab", "ab"], "labels": ["x", None, "z"]}
+    # labels JSON cannot hold as they are (a parquet column's array scalars, NaN, objects) still go
+    score(src, QUERIES, label=[torch.tensor(3), float("nan"), {1, 2}])
+    assert service.calls["ok"][-1]["labels"] == [3, None, "{1, 2}"]
 
 
 def test_url_without_path_goes_to_get_reward(service):
@@ -150,6 +160,7 @@ def test_batches_are_cut_and_dealt_to_replicas(service):
 @pytest.mark.parametrize("route, message", [
     ("fail", r"reward service http://127\.0\.0\.1:\d+/fail answered HTTP 500: .*boom.* \(1 try\); check that"),
     ("stall", r"/stall did not answer within 0\.3 s \(1 try\)"),
+    ("trickle", r"/trickle did not answer within 0\.3 s \(1 try\)"),
     ("wrong_count", r"/wrong_count returned 4 rewards for 3 queries; it must return one per query"),
     ("nan", r"reward service .* returned nan for row 0 of its first batch; a reward must be a finite number"),
     ("strings", r"returned \"high\" \(str\) as reward 0; each must be a number"),
