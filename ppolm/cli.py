@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
             "direct preference optimisation: train a policy on preference pairs, no reward model (DPO, IPO)"),
     "reward-eval": ("ppolm.evaluate:RewardEvalConfig", "ppolm.evaluate:run_reward_eval", "held-out pairwise accuracy of a reward model"),
     "eval": ("ppolm.evaluate:EvalConfig", "ppolm.evaluate:run_eval", "compare policies: rewards, KL, length, diversity, EOS rate"),
+    "serve-rm": ("ppolm.serve_rm:ServeRMConfig", "ppolm.serve_rm:run",
+                 "serve a reward model over HTTP (POST /get_reward, as OpenRLHF) for ppo --reward-url"),
     "report": ("ppolm.report:ReportConfig", "ppolm.report:run_report", "write report.html and plots for a PPO run"),
     "demo": ("ppolm.demo:DemoConfig", "ppolm.demo:run", "the whole RLHF pipeline on the embedded model, showing over-optimisation"),
 }
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SINGLE_PROCESS = ("demo", "report", "reward-eval")
+SINGLE_PROCESS = ("demo", "report", "reward-eval", "serve-rm")
 """Commands that run as one process only (the others run under torchrun: docs/distributed.md)."""
 
 

@@ -78,9 +78,35 @@ PPO_METRICS: dict[str, str] = {
     "time/score_s": "seconds spent scoring and in the frozen models' pass (reference, reward models).",
     "time/train_s": "seconds spent in the PPO epochs.",
     "time/step_s": "seconds for the whole step.",
+    "time/rm_check": "seconds spent on the on-policy reward-model check (sampling, judging, scoring).",
+    "rm/onpolicy_accuracy": "(`--judge`) share of pairs of the current policy's answers that the proxy reward model "
+                            "orders as the judge does (a proxy tie counts half); docs/overoptimisation.md.",
+    "rm/onpolicy_accuracy_se": "its binomial standard error, sqrt(p(1 − p) / n).",
+    "rm/onpolicy_pairs": "pairs the judge ordered (ties and skipped pairs left out).",
+    "rm/onpolicy_ties": "pairs the judge tied.",
+    "rm/onpolicy_skipped": "pairs skipped before judging: identical or empty answers.",
+    "rm/onpolicy_judge_calls": "comparisons asked of the judge by this check.",
+    "rm/heldout_accuracy": "the proxy's accuracy on the held-out pairs it was validated on, beside the on-policy one.",
+    "rm/heldout_accuracy_se": "its standard error.",
+    "rm/heldout_pairs": "held-out pairs scored.",
+    "rm_refresh/round": "(`--rm-refresh-every`) refreshes of the reward model so far.",
+    "rm_refresh/pairs_added": "fresh judge-labelled pairs of the policy's answers added by this refresh.",
+    "rm_refresh/skipped": "fresh pairs skipped (identical or empty answers).",
+    "rm_refresh/ties": "fresh pairs the judge tied (not trained on).",
+    "rm_refresh/buffer_pairs": "pairs the reward model now trains on: the original ones and every refresh's.",
+    "rm_refresh/fresh_accuracy_before": "the reward model's accuracy on this refresh's fresh pairs before training.",
+    "rm_refresh/fresh_accuracy_after": "the same after training on them.",
+    "rm_refresh/loss": "mean Bradley–Terry loss of the refresh's optimiser steps.",
+    "rm_refresh/steps": "reward-model optimiser steps of this refresh.",
+    "rm_refresh/norm_gain": "the refreshed model's normalisation gain (score = gain × head + bias).",
+    "rm_refresh/norm_bias": "its bias.",
+    "rm_refresh/judge_calls": "comparisons asked of the judge by this refresh.",
+    "rm_refresh/judge_calls_total": "comparisons asked of the judge by every refresh so far.",
+    "rm_refresh/seconds": "seconds this refresh took.",
     "reward/<source>": "mean raw score of each reward source (a function's name, a reward model's directory name).",
     "alarm/<name>": "present on the step where a debugging alarm first fired: `kl_runaway`, `entropy_collapse`, "
-                    "`length_drift`, `advantage_explosion`, `value_not_learning`.",
+                    "`length_drift`, `advantage_explosion`, `value_not_learning`, `reward_model_drift`.",
+    "reward/judge_<model>_unparsed": "(`--reward-judge`) replies of the LLM judge that held no rating this step.",
 }
 
 EVAL_METRICS: dict[str, str] = {
@@ -96,7 +122,8 @@ EVAL_METRICS: dict[str, str] = {
     "eval/gold_judge": "(`ppolm demo`) the gold judge's score, the demo's measure of true quality.",
 }
 
-METRIC_PREFIXES = ("objective", "policy", "loss", "val", "adv", "response", "lr", "ppo", "guard", "time", "eval")
+METRIC_PREFIXES = ("objective", "policy", "loss", "val", "adv", "response", "lr", "ppo", "guard", "time", "eval",
+                   "rm", "rm_refresh")
 """Prefixes of the metric names :func:`metric_names_in_code` collects (``reward/`` and ``alarm/``
 names are built from a source's or an alarm's name, so they are documented as patterns)."""
 

@@ -228,7 +228,7 @@ def _score(rewarder: Any, roll: Any, batch: list[Any], texts: list[str], tok: An
     keys = sorted({k for p in batch for k in p.extra})
     columns = {k: [p.extra.get(k) for p in batch] for k in keys}
     return rewarder.score(model_inputs=rm_scores, prompts=[p.raw for p in batch], completions=texts,
-                          columns=columns)
+                          columns=columns, **rewarder.query_texts(roll, tok))
 
 
 def _label(spec: str) -> str:

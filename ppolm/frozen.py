@@ -159,7 +159,7 @@ class FrozenModels:
         keys = sorted({k for p in prompts for k in p.extra})
         columns = {k: [p.extra.get(k) for p in prompts] for k in keys}
         total, parts = rewarder.score(model_inputs=rm_scores, prompts=[p.raw for p in prompts],
-                                      completions=texts, columns=columns)
+                                      completions=texts, columns=columns, **rewarder.query_texts(roll, self.tokenizer))
         return total.to(self.device), parts, texts
 
     @torch.no_grad()

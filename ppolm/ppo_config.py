@@ -75,6 +75,24 @@ class RewardConfig:
     """Score divisor before the KL penalty: auto brings the within-batch spread into [0.05, 0.5]; std: that spread; none: 1. why: docs/defaults.md#score-scale"""
     score_center: Literal["auto", "running", "none"] = "auto"
     """Subtracted from each score: auto = the running mean's part beyond two running stds from 0; running = all of it; none = 0. why: docs/defaults.md#score-center"""
+    reward_url: list[str] = field(default_factory=list)
+    """Reward service URL (OpenRLHF's /get_reward protocol, e.g. `ppolm serve-rm`); repeatable.
+    Comma-separated URLs: replicas sharing a batch (docs/rewards.md)."""
+    reward_url_weights: list[float] = field(default_factory=list)
+    """One weight per --reward-url, in order (default 1 each)."""
+    reward_url_batch_size: int = 64
+    """Most prompt+response texts per request to a reward service; larger batches are split into several requests."""
+    reward_url_timeout: float = 60.0
+    """Seconds a reward service may take to answer one request before the request counts as failed."""
+    reward_url_retries: int = 2
+    """Further tries of a failed request (unreachable, timed out, HTTP 408/429/5xx), after 0.5 s, 1 s, 2 s, ..."""
+    reward_url_label_column: str = "label"
+    """Prompts-file column sent as the request's 'labels' (null where a row has none)."""
+    reward_judge: list[str] = field(default_factory=list)
+    """LLM judge 'openai:MODEL@BASE_URL[,option=value...]' rating each answer 1-10, mapped to [0, 1]; repeatable.
+    API key, template, options: docs/rewards.md."""
+    reward_judge_weights: list[float] = field(default_factory=list)
+    """One weight per --reward-judge, in order (default 1 each)."""
 
 
 @dataclass
@@ -298,9 +316,17 @@ class PPOConfig:
              f"--update-kl-max must be > 0 (or none); got {a.update_kl_max}")
         need(a.ptx_coef >= 0, "--ptx-coef must be >= 0")
         need(a.ptx_coef == 0 or a.ptx_data is not None, "--ptx-coef > 0 needs --ptx-data FILE (a text corpus)")
-        need(bool(r.reward_fn or r.reward_model),
+        need(bool(r.reward_fn or r.reward_model or r.reward_url or r.reward_judge),
              "no reward given: pass --reward-fn FILE.py:fn (TRL GRPO convention) or --reward-model DIR; for the "
              "built-in sentiment reward use --reward-fn ppolm.builtin_rewards:positive_sentiment")
+        for opt, weights, sources in (("url", r.reward_url_weights, r.reward_url),
+                                      ("judge", r.reward_judge_weights, r.reward_judge)):
+            need(not weights or len(weights) == len(sources), f"--reward-{opt}-weights has {len(weights)} values for "
+                 f"{len(sources)} --reward-{opt}; give one per source")
+        need(r.reward_url_batch_size >= 1, f"--reward-url-batch-size must be >= 1; got {r.reward_url_batch_size}")
+        need(math.isfinite(r.reward_url_timeout) and r.reward_url_timeout > 0,
+             f"--reward-url-timeout must be > 0 seconds; got {r.reward_url_timeout}")
+        need(r.reward_url_retries >= 0, f"--reward-url-retries must be >= 0; got {r.reward_url_retries}")
         need(not r.reward_fn_weights or len(r.reward_fn_weights) == len(r.reward_fn),
              f"--reward-fn-weights has {len(r.reward_fn_weights)} values for {len(r.reward_fn)} --reward-fn; give one per function")
         need(r.length_penalty >= 0, "--length-penalty must be >= 0")

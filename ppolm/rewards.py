@@ -6,11 +6,16 @@ Reward functions follow TRL's GRPO convention so existing ones run unchanged::
 
 ``prompts``/``completions`` are strings for text prompts, and chat-message lists for ``messages``
 prompts (a completion is then ``[{"role": "assistant", "content": ...}]``). Every other column of
-the prompts file arrives as a keyword argument holding one value per sample.
+the prompts file arrives as a keyword argument holding one value per sample. An ``async def``
+function is awaited, and every asynchronous source of a run (such functions, reward services
+``--reward-url``: ppolm/remote.py, LLM judges ``--reward-judge``: ppolm/judge.py) runs concurrently
+with the others, on one event loop, while PPO waits for the scores (docs/rewards.md).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import difflib
 import importlib
 import importlib.util
@@ -18,7 +23,7 @@ import inspect
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,13 +88,49 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
     return fn
 
 
+def run_async(coro: Awaitable[Any]) -> Any:
+    """Run a coroutine to completion from synchronous code, also when the caller already runs an
+    event loop (a notebook): then on a fresh loop in a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def is_async_callable(fn: Any) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+@dataclass
+class ScoreBatch:
+    """What every reward source may read about the B responses of a batch."""
+
+    prompts: list[Any]
+    """The prompts as given (strings, or chat-message lists)."""
+    completions: list[Any]
+    """The responses in the reward-function convention (strings, or [{"role": "assistant", ...}])."""
+    columns: dict[str, list[Any]]
+    """The prompts file's other columns, one value per response."""
+    queries: list[str] | None = None
+    """Each prompt+response as one text, as the policy's tokenizer decodes it (special tokens kept)."""
+    prompt_texts: list[str] | None = None
+    """Each prompt as the policy saw it (chat template applied), decoded alike: a prefix of its query."""
+
+
 @dataclass
 class RewardFunction:
     name: str
     fn: Callable[..., Any]
     weight: float
 
-    def __call__(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]) -> torch.Tensor:
+    @property
+    def is_async(self) -> bool:
+        return is_async_callable(self.fn)
+
+    def _kwargs(self, columns: dict[str, list[Any]]) -> dict[str, Any]:
         kwargs = dict(columns)
         try:
             params = inspect.signature(self.fn).parameters
@@ -97,10 +138,26 @@ class RewardFunction:
                 kwargs = {k: v for k, v in kwargs.items() if k in params}
         except ValueError:
             pass
+        return kwargs
+
+    def __call__(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]) -> torch.Tensor:
         try:
-            out = self.fn(prompts=prompts, completions=completions, **kwargs)
+            out = self.fn(prompts=prompts, completions=completions, **self._kwargs(columns))
+            if inspect.isawaitable(out):
+                out = run_async(out)
         except Exception as e:
             raise PPOLMError(f"reward function '{self.name}' raised {type(e).__name__}: {e}; fix the function") from None
+        return self._values(out, len(completions))
+
+    async def ascore(self, batch: ScoreBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The scores of an ``async def`` function, awaited on the running loop (no extra metrics)."""
+        try:
+            out = await self.fn(prompts=batch.prompts, completions=batch.completions, **self._kwargs(batch.columns))
+        except Exception as e:
+            raise PPOLMError(f"reward function '{self.name}' raised {type(e).__name__}: {e}; fix the function") from None
+        return self._values(out, len(batch.completions)), {}
+
+    def _values(self, out: Any, n: int) -> torch.Tensor:
         try:
             values = [float("nan") if v is None else float(v) for v in out]
         except (TypeError, ValueError):
@@ -110,9 +167,9 @@ class RewardFunction:
                 what += f" holding {bad!r} ({type(bad).__name__})"
             raise PPOLMError(f"reward function '{self.name}' must return a list of numbers; "
                              f"got a {what}") from None
-        if len(values) != len(completions):
+        if len(values) != n:
             raise PPOLMError(f"reward function '{self.name}' returned {len(values)} values for "
-                             f"{len(completions)} completions; return one per completion")
+                             f"{n} completions; return one per completion")
         return torch.tensor(values, dtype=torch.float32)
 
 
@@ -201,20 +258,37 @@ def ensemble(scores: torch.Tensor, how: str) -> torch.Tensor:
 
 
 class Rewarder:
-    """All reward sources of a run; ``score`` returns the combined score and each source's."""
+    """All reward sources of a run; ``score`` returns the combined score and each source's.
 
-    def __init__(self, reward_models: Sequence[RewardModel], functions: Sequence[RewardFunction],
+    ``functions`` holds every source scored per response and weighted on its own: reward functions
+    (:class:`RewardFunction`), reward services (:class:`ppolm.remote.RemoteReward`) and LLM judges
+    (:class:`ppolm.judge.JudgeReward`). A source with ``is_async`` true has ``ascore(batch)``,
+    awaited together with the others on one event loop; the rest are called one after another."""
+
+    def __init__(self, reward_models: Sequence[RewardModel], functions: Sequence[Any],
                  *, model_weight: float = 1.0, ensemble_rule: str = "mean"):
         if not reward_models and not functions:
-            raise PPOLMError("no reward given; pass --reward-model DIR and/or --reward-fn FILE.py:FUNCTION")
+            raise PPOLMError("no reward given; pass --reward-model DIR, --reward-fn FILE.py:FUNCTION, --reward-url URL "
+                             "and/or --reward-judge SPEC")
         self.models = list(reward_models)
         self.functions = list(functions)
         self.model_weight = model_weight
         self.ensemble_rule = ensemble_rule
 
+    def query_texts(self, roll: Any, tokenizer: Any) -> dict[str, list[str]]:
+        """``queries`` and ``prompt_texts`` of a rollout (:class:`ScoreBatch`) for :meth:`score`, decoded
+        as a reward model with another tokenizer reads them in-process; {} when no source needs them."""
+        if not any(getattr(f, "needs_queries", False) for f in self.functions):
+            return {}
+        full = [row[m.bool()] for row, m in zip(roll.input_ids, roll.attention_mask)]
+        return {"queries": tokenizer.batch_decode(full),
+                "prompt_texts": tokenizer.batch_decode([row[m.bool()] for row, m in zip(roll.query, roll.query_mask)])}
+
     def score(self, *, model_inputs: Callable[[RewardModel], torch.Tensor], prompts: list[Any],
-              completions: list[str], columns: dict[str, list[Any]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """model_inputs(rm) -> that model's (B,) scores; functions get TRL-convention inputs."""
+              completions: list[str], columns: dict[str, list[Any]], queries: list[str] | None = None,
+              prompt_texts: list[str] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """model_inputs(rm) -> that model's (B,) scores; functions get TRL-convention inputs; reward
+        services get ``queries`` (prompt+response texts) and ``prompt_texts`` (see :class:`ScoreBatch`)."""
         parts: dict[str, torch.Tensor] = {}
         total = torch.zeros(len(completions))
         if self.models:
@@ -227,9 +301,17 @@ class Rewarder:
             total = total + self.model_weight * combined
         chat = bool(prompts) and isinstance(prompts[0], list)
         comps: list[Any] = [[{"role": "assistant", "content": c}] for c in completions] if chat else completions
+        batch = ScoreBatch(prompts, comps, columns, queries, prompt_texts)
+        waiting = [f for f in self.functions if getattr(f, "is_async", False)]
+
+        async def concurrently() -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+            return await asyncio.gather(*(f.ascore(batch) for f in waiting))
+
+        awaited = dict(zip(map(id, waiting), run_async(concurrently()))) if waiting else {}
         for f in self.functions:
-            s = f(prompts, comps, columns)
+            s, extra = awaited[id(f)] if id(f) in awaited else (f(prompts, comps, columns), {})
             parts[f"reward/{f.name}"] = s
+            parts.update(extra)
             total = total + f.weight * s
         return total, parts
 
