@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "reward-eval": ("ppolm.evaluate:RewardEvalConfig", "ppolm.evaluate:run_reward_eval", "held-out pairwise accuracy of a reward model"),
     "eval": ("ppolm.evaluate:EvalConfig", "ppolm.evaluate:run_eval", "compare policies: rewards, KL, length, diversity, EOS rate"),
     "report": ("ppolm.report:ReportConfig", "ppolm.report:run_report", "write report.html and plots for a PPO run"),
+    "label": ("ppolm.label:LabelConfig", "ppolm.label:run",
+              "rank a policy's answers on a local web page (or with --judge); writes pairs for ppolm reward"),
     "demo": ("ppolm.demo:DemoConfig", "ppolm.demo:run", "the whole RLHF pipeline on the embedded model, showing over-optimisation"),
 }
 
@@ -77,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SINGLE_PROCESS = ("demo", "report", "reward-eval")
+SINGLE_PROCESS = ("demo", "report", "reward-eval", "label")
 """Commands that run as one process only (the others run under torchrun: README, "Scaling out")."""
 
 
