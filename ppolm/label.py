@@ -593,6 +593,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 # ------------------------------------------------------------------------------------ command
 
+def settings(cfg: LabelConfig, n_prompts: int) -> dict[str, Any]:
+    """What label.json records, and a rerun must match: the model, prompts, K and sampling."""
+    return {"model": cfg.model, "prompts": str(Path(cfg.prompts).resolve()) if cfg.prompts else "built-in",
+            "n_prompts": n_prompts, "k": cfg.k, "sampling": cfg.sampling()}
+
+
 def prepare(cfg: LabelConfig) -> tuple[LabelStore, Sampler]:
     """Read the prompts, open (or continue) the output directory, and set up the sampler."""
     from ppolm import models
@@ -611,9 +617,7 @@ def prepare(cfg: LabelConfig) -> tuple[LabelStore, Sampler]:
     tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     prompts = load_prompts(cfg.prompts, tok, chat_template=cfg.chat_template)
     raws = [p.raw for p in prompts]
-    settings = {"model": cfg.model, "prompts": str(Path(cfg.prompts).resolve()) if cfg.prompts else "built-in",
-                "n_prompts": len(raws), "k": cfg.k, "sampling": cfg.sampling()}
-    store = LabelStore(out, settings, raws, [p.extra for p in prompts])
+    store = LabelStore(out, settings(cfg, len(raws)), raws, [p.extra for p in prompts])
     return store, Sampler(cfg, store, tok, [p.ids for p in prompts])
 
 
