@@ -278,3 +278,75 @@ def test_access_token_rules(monkeypatch):
     monkeypatch.setenv("PPOLM_LABEL_TOKEN", "short")
     with pytest.raises(label.PPOLMError, match="at least 16"):
         label.access_token(config.build(LabelConfig, {**base, "token_env": "PPOLM_LABEL_TOKEN"}))
+
+
+# ------------------------------------------------------------------------------------ rounds
+
+def test_reference_of_follows_rounds_back_to_the_first(tmp_path):
+    from ppolm.ppo_models import reference_of
+
+    def run(name, model, ref=None):
+        d = tmp_path / name
+        (d / "policy").mkdir(parents=True)
+        (d / "config.yaml").write_text(json.dumps({"model": {"model": model, "ref_model": ref}}))
+        return str(d / "policy")
+
+    r1 = run("r1", "sft")
+    r2 = run("r2", r1)
+    r3 = run("r3", r2)
+    assert reference_of(r3, None) == reference_of(r2, None) == reference_of(r1, None) == "sft"
+    assert reference_of(r3, "chosen") == "chosen"
+    assert reference_of(run("r4", r3, ref="other"), None) == "other"  # a run's own --ref-model is its reference
+    assert reference_of(str(tmp_path), None) == str(tmp_path)  # not a run's policy/: itself
+
+
+def ppo_argv(model, rm, prompts, out, *more):
+    return ["ppo", "--model", str(model), "--reward-model", str(rm), "--prompts", str(prompts), "--steps", "1",
+            "--batch-size", "4", "--minibatches", "2", "--ppo-epochs", "1", "--response-length", "4",
+            "--precision", "fp32", "--device", "cpu", "--quiet", "--output-dir", str(out), *more]
+
+
+def reward_argv(model, out, data, *more):
+    return ["reward", "--model", str(model), *[x for d in data for x in ("--data", str(d))], "--group-by-prompt",
+            "--output-dir", str(out), "--epochs", "1", "--batch-size", "2", "--train-layers", "1", "--lr", "1e-2",
+            "--norm-source", "pairs", "--precision", "fp32", "--device", "cpu", "--quiet", *more]
+
+
+def test_two_rounds_label_reward_ppo(tiny_policy_dir, inputs, tmp_path):
+    """docs/pipeline.md's two rounds on a tiny model: label -> reward -> ppo -> label the new policy ->
+    reward --init-from on both pair files -> ppo from the last policy and critic, KL from the start."""
+    def rows(path):
+        return read(path / "metrics.jsonl")
+
+    l1, l2 = tmp_path / "labels1", tmp_path / "labels2"
+    assert main(label_argv(tiny_policy_dir, inputs, l1, "--judge", inputs["judge"])) == 0
+    assert main(reward_argv(tiny_policy_dir, tmp_path / "rm1", [l1 / "pairs.jsonl"],
+                            "--eval-data", str(l1 / "pairs.jsonl"))) == 0
+    assert main(ppo_argv(tiny_policy_dir, tmp_path / "rm1", inputs["prompts"], tmp_path / "ppo1",
+                         "--actor-lr", "1e-3")) == 0
+    policy1 = tmp_path / "ppo1" / "policy"
+    assert main(label_argv(policy1, inputs, l2, "--judge", inputs["judge"])) == 0
+    assert read(l2 / "answers.jsonl")[0]["model"] == str(policy1)
+
+    # round 2's reward model continues round 1's: before training it scores the held-out pairs exactly
+    # as round 1's finished model did (its raw head, before the normalisation is fitted again)
+    assert main(reward_argv(tiny_policy_dir, tmp_path / "rm2", [l1 / "pairs.jsonl", l2 / "pairs.jsonl"],
+                            "--eval-data", str(l1 / "pairs.jsonl"), "--init-from", str(tmp_path / "rm1"))) == 0
+    first, last = rows(tmp_path / "rm2")[0], rows(tmp_path / "rm1")[-1]
+    assert first["epoch"] == 0 and first["eval_loss"] == pytest.approx(last["eval_loss"], abs=1e-5)
+    fresh = tmp_path / "rm2_fresh"  # a new head on --model starts elsewhere
+    assert main(reward_argv(tiny_policy_dir, fresh, [l1 / "pairs.jsonl"], "--eval-data", str(l1 / "pairs.jsonl"),
+                            "--epochs", "1")) == 0
+    assert rows(fresh)[0]["eval_loss"] != pytest.approx(last["eval_loss"], abs=1e-5)
+    trained = len(read(l1 / "pairs.jsonl")) + len(read(l2 / "pairs.jsonl"))
+    assert trained > len(read(l1 / "pairs.jsonl"))
+
+    # round 2's PPO: policy and critic from round 1, the KL measured from the tiny SFT model (so it is
+    # not 0 at the first rollout, as it is when the reference is round 1's policy itself)
+    assert main(ppo_argv(policy1, tmp_path / "rm2", inputs["prompts"], tmp_path / "ppo2",
+                         "--critic-model", str(tmp_path / "ppo1" / "critic"))) == 0
+    assert main(ppo_argv(policy1, tmp_path / "rm2", inputs["prompts"], tmp_path / "ppo2_self",
+                         "--ref-model", str(policy1))) == 0
+    kl_sft, kl_self = rows(tmp_path / "ppo2")[0]["objective/kl"], rows(tmp_path / "ppo2_self")[0]["objective/kl"]
+    assert abs(kl_self) < 1e-4 and abs(kl_sft) > 100 * max(abs(kl_self), 1e-6)  # k1 can be < 0 on samples
+    assert (tmp_path / "ppo2" / "policy" / "model.safetensors").is_file()
