@@ -264,6 +264,11 @@ class LabelStore:
                                  "choose another --output-dir")
             self.answers[i] = row
         self.judgements = read_lines(out / "judgements.jsonl")
+        for n, j in enumerate(self.judgements, start=1):
+            if not (j.get("index") in self.answers and isinstance(j.get("ranking"), list)
+                    and isinstance(j.get("answers"), list) and isinstance(j.get("id"), str)):
+                raise PPOLMError(f"{out / 'judgements.jsonl'} line {n} is not a judgement of these answers; "
+                                 "restore the file or choose another --output-dir")
         self.judged = {j["index"] for j in self.judgements}
         self.write_pairs()
 
