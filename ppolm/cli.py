@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve-rm": ("ppolm.serve_rm:ServeRMConfig", "ppolm.serve_rm:run",
                  "serve a reward model over HTTP (POST /get_reward, as OpenRLHF) for ppo --reward-url"),
     "report": ("ppolm.report:ReportConfig", "ppolm.report:run_report", "write report.html and plots for a PPO run"),
+    "label": ("ppolm.label:LabelConfig", "ppolm.label:run",
+              "rank a policy's answers on a local web page (or with --judge); writes pairs for ppolm reward"),
     "demo": ("ppolm.demo:DemoConfig", "ppolm.demo:run", "the whole RLHF pipeline on the embedded model, showing over-optimisation"),
 }
 
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SINGLE_PROCESS = ("demo", "report", "reward-eval", "serve-rm")
+SINGLE_PROCESS = ("demo", "report", "reward-eval", "serve-rm", "label")
 """Commands that run as one process only (the others run under torchrun: docs/distributed.md)."""
 
 

@@ -31,6 +31,10 @@ class ModelConfig(ModelLoading, LoRAOptions):
 
     model: str = "smollm2-135m-instruct"
     """Policy to train: a Hugging Face model directory, a .gguf file, or an embedded model name. The frozen reference is a copy of it."""
+    ref_model: str | None = None
+    """Frozen reference of the KL penalty; default: the reference of the run whose policy/ --model is (the original SFT model, as InstructGPT), else --model."""
+    critic_model: str | None = None
+    """Start the separate critic from this value model (a run's critic/, e.g. last round's), its top --critic-layers trained."""
     critic: Literal["separate", "shared"] = "separate"
     """Value model: a separate model (OpenRLHF, TRL), or a value head on the policy's own trunk (OpenAI's original; saves memory)."""
     critic_init: Literal["reward", "policy"] = "reward"
@@ -310,6 +314,8 @@ class PPOConfig:
         need(k.kl_coef_max is None or k.kl_coef_max >= max(k.kl_coef, k.kl_coef_min or 0.0),
              f"--kl-coef-max must be >= --kl-coef and --kl-coef-min (or inf: no ceiling); got {k.kl_coef_max}")
         need(self.model.critic_layers >= 0, f"--critic-layers must be >= 0; got {self.model.critic_layers}")
+        need(self.model.critic_model is None or self.model.critic == "separate",
+             "--critic-model starts a separate critic; drop it or use --critic separate")
         need(self.model.lora_r >= 0, f"--lora-r must be >= 0; got {self.model.lora_r}")
         need(a.target_kl is None or a.target_kl > 0, "--target-kl must be > 0 (or none)")
         need(a.update_kl_max is None or a.update_kl_max > 0,

@@ -8,6 +8,7 @@ order policy, reference, reward models, critic.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from ppolm import models
+from ppolm.errors import PPOLMError
 from ppolm.ppo_config import PPOConfig
 
 
@@ -62,7 +64,15 @@ def build(cfg: PPOConfig, tokenizer: Any, model_dir: Path, functions: list[Any],
         targets: Any = m.lora_target if m.lora_target == "all-linear" else m.lora_target.split(",")
         policy = get_peft_model(policy, LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=0.0,
                                                    target_modules=targets, task_type="CAUSAL_LM"))
-    else:
+    ref = reference_of(m.model, m.ref_model)
+    if ref != m.model:  # another model than the policy's start: a copy of its own, also with LoRA
+        if models.load_tokenizer(ref, trust_remote_code=m.trust_remote_code,
+                                 allow_pickle=m.allow_pickle).get_vocab() != tokenizer.get_vocab():
+            raise PPOLMError(f"the reference {ref} has another tokenizer than the policy {m.model}; the KL "
+                             "compares their probabilities of the same tokens: pass a --ref-model of the same family")
+        print(f"reference (KL penalty): {ref}", file=sys.stderr)
+        reference = models.load_causal_lm(ref, **load).requires_grad_(False)
+    elif m.lora_r == 0:
         reference = models.load_causal_lm(m.model, **load).requires_grad_(False)
     policy.train()  # dropout is already 0 in every model; train() only matters to peft
 
@@ -74,6 +84,32 @@ def build(cfg: PPOConfig, tokenizer: Any, model_dir: Path, functions: list[Any],
     if cfg.needs_critic:  # the critic-free estimators (--advantage other than gae) build none
         build_critic(built, cfg, tokenizer, model_dir, trained)
     return built
+
+
+def reference_of(model: str, ref_model: str | None) -> str:
+    """--ref-model if given; else, when ``model`` is a `ppolm ppo` run's policy/ (or best/), that run's
+    own reference, followed back through earlier rounds, so that every round's KL is measured from
+    the original SFT model (InstructGPT's penalty); else ``model`` itself."""
+    import yaml
+
+    if ref_model:
+        return ref_model
+    here = model
+    for _ in range(100):  # rounds back to the first (a bound against a loop of configs)
+        saved = Path(here).parent / "config.yaml"
+        if Path(here).name not in ("policy", "best") or not saved.is_file():
+            break
+        try:
+            section = yaml.safe_load(saved.read_text(encoding="utf-8"))["model"]
+            earlier = section.get("ref_model") or section["model"]
+        except (OSError, yaml.YAMLError, TypeError, KeyError, AttributeError):
+            break
+        if not isinstance(earlier, str):
+            break
+        if section.get("ref_model"):
+            return earlier
+        here = earlier
+    return here
 
 
 def build_critic(built: PPOModels, cfg: PPOConfig, tokenizer: Any, model_dir: Path, load: dict[str, Any]) -> None:
@@ -88,6 +124,18 @@ def build_critic(built: PPOModels, cfg: PPOConfig, tokenizer: Any, model_dir: Pa
         built.value_head = torch.nn.Linear(d, 1).to(device)
         torch.nn.init.zeros_(built.value_head.weight)
         torch.nn.init.zeros_(built.value_head.bias)
+        return
+    if m.critic_model is not None:  # a trained critic (last round's): kept whole, its top layers trained
+        from ppolm.reward_train import freeze_lower_layers
+
+        built.critic_source = (m.critic_model, "keep")
+        built.critic = models.load_scalar_model(m.critic_model, head_init="keep", **load)
+        freeze_lower_layers(models._unwrap(built.critic), m.critic_layers if m.critic_layers > 0 else -1)
+        built.critic.train()
+        saved = Path(m.critic_model) / "ppolm_value.json"  # value = head + bias (from a reward model's norm)
+        if saved.is_file():
+            bias = torch.tensor(float(json.loads(saved.read_text())["bias"]), device=device)
+            built.value_bias = torch.nn.Parameter(bias.reshape(1) if m.fsdp else bias)
         return
     from_rm = bool(m.critic_init == "reward" and rms)
     if from_rm and rms[0].tokenizer.get_vocab() != tokenizer.get_vocab():

@@ -19,7 +19,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,8 +43,10 @@ class RewardTrainConfig(TrainRunControl, ModelLoading, LoRAOptions, TextEncoding
 
     model: str = "smollm2-135m-instruct"
     """Backbone: a causal LM (e.g. the `ppolm sft` output) or a sequence-classification model; a directory, .gguf or embedded name."""
-    data: str | None = None
-    """Preference pairs (.jsonl/.json/.parquet/.csv or a datasets directory): 'prompt', 'chosen', 'rejected', text or chat lists. more: docs/pipeline.md"""
+    data: list[str] = field(default_factory=list)
+    """Preference pairs (.jsonl/.json/.parquet/.csv or a datasets directory): 'prompt', 'chosen', 'rejected'. Repeatable. more: docs/pipeline.md"""
+    init_from: str | None = None
+    """Continue this reward model (e.g. last round's) instead of a new head on --model; its normalisation is fitted again."""
     eval_data: str | None = None
     """Held-out pairs for accuracy and loss; default: a seeded --eval-fraction of --data."""
     output_dir: str = "runs/reward"
@@ -87,11 +89,22 @@ class RewardTrainConfig(TrainRunControl, ModelLoading, LoRAOptions, TextEncoding
     """Random seed (split, shuffling, head init, normalisation samples)."""
 
     def validate(self) -> None:
-        trainloop.check_common(self)
+        for path in data_files(self) or [None]:  # each file checked as a single --data is
+            trainloop.check_common(dataclasses.replace(self, data=path))
+        if self.init_from is not None:
+            out, rm = (Path(p).expanduser().resolve() for p in (self.output_dir, self.init_from))
+            if out == rm or out in rm.parents:
+                raise PPOLMError(f"--output-dir {self.output_dir} holds the --init-from reward model, which writing "
+                                 "there would replace; choose another --output-dir")
         if self.center_coef < 0 or self.norm_samples < 2 or self.norm_response_length < 1:
             raise PPOLMError("--center-coef must be >= 0, --norm-samples >= 2 and --norm-response-length >= 1")
         if self.norm_temperature <= 0:
             raise PPOLMError(f"--norm-temperature must be > 0; got {self.norm_temperature}")
+
+
+def data_files(cfg: RewardTrainConfig) -> list[str]:
+    """The --data files (one path given as a string counts as a list of one)."""
+    return [cfg.data] if isinstance(cfg.data, str) else list(cfg.data or [])
 
 
 # ------------------------------------------------------------------------------------ pairs
@@ -318,9 +331,15 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     runtime.prepare_output_dir(out, cfg, "reward_config.yaml")  # checks only: nothing changes before the inputs load
     seed_everything(cfg.seed)
     tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
-    pairs = load_pairs(cfg.data, cfg.margin_column)  # type: ignore[arg-type]
-    train = encode_pairs(pairs, tok, cfg.chat_template, cfg.max_length, cfg.data)  # type: ignore[arg-type]
-    keys = group_keys(pairs)
+    # several files (labelling rounds): a prompt's pairs form one group per file, so that two rounds'
+    # rankings of one prompt stay two items under --group-by-prompt
+    pairs, train, keys = [], [], []
+    for path in data_files(cfg):
+        found = load_pairs(path, cfg.margin_column)
+        first = max(keys) + 1 if keys else 0
+        pairs += found
+        train += encode_pairs(found, tok, cfg.chat_template, cfg.max_length, path)
+        keys += [first + k for k in group_keys(found)]
     if cfg.eval_data:
         held = encode_pairs(load_pairs(cfg.eval_data, cfg.margin_column), tok, cfg.chat_template, cfg.max_length,
                             cfg.eval_data)
@@ -329,12 +348,19 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         train, keys = [x for x, _ in both], [k for _, k in both]
         held = [x for x, _ in held_both]
     if not train:
-        raise PPOLMError(f"{cfg.data} leaves no training pairs after the held-out split; add rows or lower "
+        raise PPOLMError(f"{', '.join(data_files(cfg))} leave no training pairs after the held-out split; add rows or lower "
                          "--eval-fraction")
     device = distributed.init(cfg.device, cfg.dist_timeout)  # torchrun: join the others (ppolm/distributed.py)
-    model = models.load_scalar_model(cfg.model, head_init="reward", dtype=torch.float32, device=device,
-                                     tokenizer=tok, trust_remote_code=cfg.trust_remote_code,
-                                     allow_pickle=cfg.allow_pickle)
+    if cfg.init_from is not None:
+        old = models.load_tokenizer(cfg.init_from, trust_remote_code=cfg.trust_remote_code,
+                                    allow_pickle=cfg.allow_pickle)
+        if old.get_vocab() != tok.get_vocab():
+            raise PPOLMError(f"--init-from {cfg.init_from} has another tokenizer than --model {cfg.model}; continue a "
+                             "reward model with the --model it was trained from")
+    # --init-from: the reward model's raw head, without its normalisation (fitted again after training)
+    model = models.load_scalar_model(cfg.init_from or cfg.model, head_init="keep" if cfg.init_from else "reward",
+                                     dtype=torch.float32, device=device, tokenizer=tok,
+                                     trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     model = trainloop.apply_lora(model, cfg, "SEQ_CLS") if cfg.lora_r > 0 else model
     if cfg.lora_r == 0:
         freeze_lower_layers(model, cfg.train_layers)

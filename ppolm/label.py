@@ -1,0 +1,670 @@
+"""``ppolm label``: rank a policy's answers on a local web page; the rankings become preference pairs.
+
+The first step of RLHF's reward-model stage (Ouyang et al. 2022, section 3.4): a person sees a prompt
+and K answers sampled from the policy, and ranks them. Each ranking of K answers gives up to
+C(K, 2) chosen/rejected pairs, which ``ppolm reward --group-by-prompt`` trains on as one item per
+prompt, as InstructGPT did. Rounds (Llama 2, Anthropic's HH) repeat this on the newest policy:
+docs/pipeline.md.
+
+Files in ``--output-dir``:
+
+* ``label.json``: the settings (model, prompts, K, sampling); a rerun with other settings is refused;
+* ``answers.jsonl``: one row per prompt, its K sampled answers, appended by the sampler as it goes,
+  so a restart samples only what is missing;
+* ``judgements.jsonl``: one row per judgement (ranking best first, ties as groups, or a skip, and an
+  optional note), appended and fsynced before the page is told it is saved; an undo rewrites the
+  file without its last row (temp file + rename);
+* ``pairs.jsonl``: the pairs ``ppolm reward --data`` reads, rewritten from the judgements after
+  each change: every two answers in different groups of a ranking, the better one chosen. Answers
+  tied with each other give no pair; a skipped prompt gives none; neither do two answers of the same
+  text or an empty answer (nothing to prefer).
+
+Safe by default: the server listens on 127.0.0.1; another ``--host`` needs an access token that
+every request carries (``?token=`` or the ``X-PPOLM-Token`` header). Prompts and answers reach the
+page as JSON and are shown with ``textContent``, and the page's Content-Security-Policy lets only its
+own script run.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ppolm.config_sections import ModelLoading
+from ppolm.errors import PPOLMError
+
+PAGE = Path(__file__).parent / "label_page.html"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+MAX_BODY = 64 * 1024
+"""Largest request body accepted (a judgement is a few hundred bytes)."""
+MAX_NOTE = 2000
+"""Longest note kept with a judgement, in characters."""
+FILES = ("label.json", "answers.jsonl", "judgements.jsonl", "pairs.jsonl")
+
+
+@dataclass
+class LabelConfig(ModelLoading):
+    """Everything ``ppolm label`` needs; ``run(config.build(LabelConfig, {...}))``."""
+
+    model: str = "smollm2-135m-instruct"
+    """Policy whose answers are ranked: a model directory (a `ppolm ppo` run's policy/ included), a .gguf or an embedded name."""
+    prompts: str | None = None
+    """Prompts file (.jsonl/.json/.txt/.parquet/.csv with 'prompt' or 'messages'); default: the built-in prompts."""
+    k: int = 4
+    """Answers sampled per prompt and ranked together (InstructGPT showed 4 to 9)."""
+    output_dir: str = "runs/label"
+    """Where label.json, answers.jsonl, judgements.jsonl and pairs.jsonl go; rerun with it to continue."""
+    host: str = "127.0.0.1"
+    """Address to listen on; any other than 127.0.0.1/localhost/::1 requires an access token."""
+    port: int = 8765
+    """Port to listen on; 0 = any free port (printed)."""
+    token_env: str | None = None
+    """Environment variable holding the access token; default: a new random token, printed with the page's address."""
+    judge: str | None = None
+    """Label without a person: a judge 'file.py:function' (ppolm/judge.py conventions) ranks every answer, then exit."""
+    judge_temperature: float = 0.0
+    """Bradley-Terry label noise of --judge (0 = its labels follow its scores)."""
+    response_length: int = 48
+    """Maximum number of new tokens per answer."""
+    temperature: float = 1.0
+    """Sampling temperature (as `ppolm ppo --temperature`)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    chat_template: bool = True
+    """Apply the tokenizer's chat template to text prompts, as `ppolm ppo` does."""
+    batch_size: int = 8
+    """Prompts sampled together (each with its K answers)."""
+    seed: int = 0
+    """Random seed of the sampling (each batch's seed follows from it and the batch's first prompt)."""
+
+    def validate(self) -> None:
+        import math
+
+        if self.k < 2:
+            raise PPOLMError(f"--k must be at least 2 (a ranking needs two answers); got {self.k}")
+        if self.k > 9:
+            raise PPOLMError(f"--k must be at most 9 (the page ranks with the keys 1-9); got {self.k}")
+        if not 0 <= self.port <= 65535:
+            raise PPOLMError(f"--port must be in 0..65535; got {self.port}")
+        if self.response_length < 1 or self.batch_size < 1:
+            raise PPOLMError("--response-length and --batch-size must be at least 1")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise PPOLMError(f"--temperature must be a finite number > 0; got {self.temperature}")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise PPOLMError("--top-p must be in (0, 1] and --top-k >= 0")
+        if not (math.isfinite(self.judge_temperature) and self.judge_temperature >= 0):
+            raise PPOLMError(f"--judge-temperature must be a finite number >= 0; got {self.judge_temperature}")
+
+    def sampling(self) -> dict[str, Any]:
+        return {"response_length": self.response_length, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "chat_template": self.chat_template, "seed": self.seed}
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+# ------------------------------------------------------------------------------------ pairs
+
+def expand_pairs(judgement: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chosen/rejected pairs of one judgement: every two answers in different groups of its
+    ranking (groups best first), the better one chosen; nothing for a skip, for answers tied in one
+    group, for two answers of the same text or for an empty answer. Each row keeps the judgement's
+    model, sampling settings, labeller and time."""
+    if judgement.get("skipped"):
+        return []
+    answers, groups = judgement["answers"], judgement["ranking"]
+    keep = {k: judgement[k] for k in ("model", "sampling", "labeller", "time") if k in judgement}
+    keep["judgement"] = judgement.get("id")
+    rows = []
+    for gi, better in enumerate(groups):
+        for worse in groups[gi + 1:]:
+            for c in better:
+                for r in worse:
+                    a, b = answers[c], answers[r]
+                    if not a.strip() or not b.strip() or a.strip() == b.strip():
+                        continue
+                    rows.append({"prompt": judgement["prompt"], "chosen": a, "rejected": b,
+                                 "chosen_answer": c, "rejected_answer": r, **keep})
+    return rows
+
+
+def ranking_from_labels(k: int, pairs: list[tuple[int, int]], labels: list[float]) -> list[list[int]]:
+    """Groups of answers, best first, ordered by their wins over the C(K, 2) labels (a tie counts
+    half to each; Copeland's rule). Equal wins are a tie. Labels that follow one score order give
+    that order."""
+    wins = [0.0] * k
+    for (i, j), y in zip(pairs, labels):
+        wins[i] += y
+        wins[j] += 1 - y
+    order = sorted(set(wins), reverse=True)
+    return [[i for i in range(k) if wins[i] == w] for w in order]
+
+
+# ------------------------------------------------------------------------------------ files
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def append_line(path: Path, row: dict[str, Any]) -> None:
+    """Append one JSON line and flush it to disk before returning."""
+    data = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace ``path`` with ``rows`` as JSON lines: a temp file, fsynced, renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file this command wrote. A last line cut short (the process killed while
+    writing it) is dropped and cut off the file; any other bad line is an error."""
+    if not path.is_file():
+        return []
+    raw = path.read_bytes()
+    body, _, tail = raw.rpartition(b"\n")
+    if tail.strip():  # no newline at the end: an unfinished write
+        print(f"{path}: dropping an unfinished last line ({len(tail)} bytes)", file=sys.stderr)
+        with open(path, "r+b") as f:
+            f.truncate(len(body) + 1 if body else 0)
+    rows = []
+    for i, line in enumerate(body.decode("utf-8", errors="replace").splitlines() if body else [], start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PPOLMError(f"{path} line {i} is not valid JSON ({e.msg}); fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise PPOLMError(f"{path} line {i} is not a JSON object; fix or remove that line")
+        rows.append(row)
+    return rows
+
+
+class BadRequest(Exception):
+    """A judgement or undo the store refuses: ``status`` is the HTTP code, the message says why."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class LabelStore:
+    """The labelling state on disk and in memory: prompts, sampled answers, judgements.
+
+    Every change goes through :meth:`submit` or :meth:`undo` (the web page's handlers and
+    ``--judge`` alike), under one lock: validated in full, then written and fsynced, then applied
+    in memory, so a refused request changes nothing."""
+
+    def __init__(self, out: Path, settings: dict[str, Any], prompts: list[Any],
+                 columns: list[dict[str, Any]] | None = None):
+        self.out, self.settings, self.prompts = out, settings, prompts
+        self.columns = columns or [{} for _ in prompts]
+        """Each prompt's other columns (a reference answer, ...), passed to a judge."""
+        self.lock = threading.Lock()
+        self.error: str | None = None
+        self.sampling_done = threading.Event()
+        out.mkdir(parents=True, exist_ok=True)
+        found = out / "label.json"
+        if found.is_file():
+            try:
+                old = json.loads(found.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                raise PPOLMError(f"{found} is not valid JSON; restore it or choose another --output-dir") from None
+            diff = [k for k in settings if old.get(k) != settings[k]]
+            if diff:
+                k = diff[0]
+                raise PPOLMError(f"{out} holds labels made with other settings ({k}: {old.get(k)!r}, now "
+                                 f"{settings[k]!r}); rerun with those, or choose another --output-dir")
+        else:
+            tmp = found.with_name("label.json.tmp")
+            tmp.write_text(json.dumps(settings, indent=2, ensure_ascii=False), encoding="utf-8")
+            tmp.replace(found)
+        self.answers: dict[int, dict[str, Any]] = {}
+        for row in read_lines(out / "answers.jsonl"):
+            i = row.get("index")
+            if not isinstance(i, int) or not 0 <= i < len(prompts) or len(row.get("answers", [])) != settings["k"]:
+                raise PPOLMError(f"{out / 'answers.jsonl'} has a row that does not fit these prompts (index {i!r}); "
+                                 "choose another --output-dir")
+            self.answers[i] = row
+        self.judgements = read_lines(out / "judgements.jsonl")
+        for n, j in enumerate(self.judgements, start=1):
+            if not (j.get("index") in self.answers and isinstance(j.get("ranking"), list)
+                    and isinstance(j.get("answers"), list) and isinstance(j.get("id"), str)):
+                raise PPOLMError(f"{out / 'judgements.jsonl'} line {n} is not a judgement of these answers; "
+                                 "restore the file or choose another --output-dir")
+        self.judged = {j["index"] for j in self.judgements}
+        self.write_pairs()
+
+    # -- sampling side
+    def missing(self) -> list[int]:
+        with self.lock:
+            return [i for i in range(len(self.prompts)) if i not in self.answers]
+
+    def add_answers(self, index: int, answers: list[str]) -> None:
+        row = {"index": index, "prompt": self.prompts[index], "answers": answers, "model": self.settings["model"],
+               "sampling": self.settings["sampling"], "time": now()}
+        with self.lock:
+            append_line(self.out / "answers.jsonl", row)
+            self.answers[index] = row
+
+    # -- labelling side
+    def next_index(self) -> int | None:
+        return next((i for i in sorted(self.answers) if i not in self.judged), None)
+
+    def state(self, index: int | None = None) -> dict[str, Any]:
+        """What the page shows: counters, and the prompt to judge (``index`` or the next one)."""
+        with self.lock:
+            i = self.next_index() if index is None else index
+            item = None
+            if i is not None:
+                row = self.answers[i]
+                item = {"index": i, "prompt": display(row["prompt"]), "answers": row["answers"]}
+            pairs = sum(len(expand_pairs(j)) for j in self.judgements)
+            return {"done": len(self.judged), "total": len(self.prompts), "sampled": len(self.answers),
+                    "skipped": sum(bool(j.get("skipped")) for j in self.judgements), "pairs": pairs,
+                    "k": self.settings["k"], "item": item, "error": self.error,
+                    "sampling": not self.sampling_done.is_set(),
+                    "last": self.judgements[-1]["id"] if self.judgements else None}
+
+    def check(self, body: Any) -> dict[str, Any]:
+        """A judgement request, validated in full: {"index": int, "ranking": [[int, ...], ...] best
+        first (a group holds tied answers), "skip": bool, "note": str}."""
+        if not isinstance(body, dict):
+            raise BadRequest(400, "the request body must be a JSON object")
+        extra = set(body) - {"index", "ranking", "skip", "note"}
+        if extra:
+            raise BadRequest(400, f"unknown field {sorted(extra)[0]!r}; send index, ranking, skip, note")
+        i, skip, note = body.get("index"), body.get("skip", False), body.get("note", "")
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise BadRequest(400, "'index' must be an integer")
+        if not isinstance(skip, bool):
+            raise BadRequest(400, "'skip' must be true or false")
+        if not isinstance(note, str) or len(note) > MAX_NOTE:
+            raise BadRequest(400, f"'note' must be text of at most {MAX_NOTE} characters")
+        if i not in self.answers:
+            raise BadRequest(404, f"no sampled prompt has index {i}")
+        if i in self.judged:
+            raise BadRequest(409, f"prompt {i} is already judged; undo that judgement first")
+        k = self.settings["k"]
+        ranking = body.get("ranking")
+        if skip:
+            if ranking not in (None, []):
+                raise BadRequest(400, "a skipped prompt has no ranking; send either skip or a ranking")
+            ranking = []
+        else:
+            if not (isinstance(ranking, list) and ranking and all(
+                    isinstance(g, list) and g and all(isinstance(a, int) and not isinstance(a, bool) for a in g)
+                    for g in ranking)):
+                raise BadRequest(400, "'ranking' must be a list of non-empty lists of answer numbers, best first")
+            if sorted(a for g in ranking for a in g) != list(range(k)):
+                raise BadRequest(400, f"'ranking' must place each of the {k} answers (0..{k - 1}) exactly once")
+        row = self.answers[i]
+        return {"id": uuid.uuid4().hex, "index": i, "prompt": row["prompt"], "answers": row["answers"],
+                "ranking": ranking, "skipped": skip, "note": note.strip(), "model": row["model"],
+                "sampling": row["sampling"], "sampled_at": row["time"]}
+
+    def submit(self, body: Any, labeller: str = "person") -> dict[str, Any]:
+        """Validate a judgement, append it to judgements.jsonl (fsynced) and refresh pairs.jsonl."""
+        with self.lock:
+            row = {**self.check(body), "labeller": labeller, "time": now()}
+            append_line(self.out / "judgements.jsonl", row)
+            self.judgements.append(row)
+            self.judged.add(row["index"])
+            self.write_pairs()
+            return row
+
+    def undo(self, body: Any = None) -> int:
+        """Remove the last judgement (``{"id": ...}``: only if it is that one); returns its prompt's index."""
+        if body is not None and not isinstance(body, dict):
+            raise BadRequest(400, "the request body must be a JSON object")
+        with self.lock:
+            if not self.judgements:
+                raise BadRequest(409, "there is no judgement to undo")
+            want = (body or {}).get("id")
+            last = self.judgements[-1]
+            if want is not None and want != last["id"]:
+                raise BadRequest(409, "only the last judgement can be undone, and that is another one")
+            write_atomic(self.out / "judgements.jsonl", self.judgements[:-1])
+            self.judgements.pop()
+            self.judged.discard(last["index"])
+            self.write_pairs()
+            return last["index"]
+
+    def write_pairs(self) -> None:
+        write_atomic(self.out / "pairs.jsonl", [p for j in self.judgements for p in expand_pairs(j)])
+
+
+def display(prompt: Any) -> str:
+    """A prompt as plain text: a chat list becomes one 'role: content' paragraph per message."""
+    if isinstance(prompt, list):
+        return "\n\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+    return str(prompt)
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+class Sampler:
+    """Samples K answers for every prompt that has none yet, in order, appending each prompt's
+    answers as soon as its batch is done: run in a thread ahead of the labeller, or in place."""
+
+    def __init__(self, cfg: LabelConfig, store: LabelStore, tok: Any, ids: list[list[int]]):
+        self.cfg, self.store, self.tok, self.ids = cfg, store, tok, ids
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except PPOLMError as e:
+            self.store.error = str(e)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        except Exception as e:  # the page and the terminal say why sampling stopped
+            self.store.error = f"sampling stopped: {type(e).__name__}: {e}"
+            print(f"error: {self.store.error}", file=sys.stderr, flush=True)
+            raise
+        finally:
+            self.store.sampling_done.set()
+
+    def _run(self) -> None:
+        import torch
+
+        from ppolm import models
+        from ppolm import rollout as ro
+        from ppolm.runtime import dtype_of, resolve_device, resolve_precision
+
+        todo = self.store.missing()
+        if not todo:
+            return
+        cfg, tok = self.cfg, self.tok
+        device = resolve_device(cfg.device)
+        precision = resolve_precision(cfg.precision, device)
+        policy = models.load_causal_lm(
+            cfg.model, dtype=dtype_of(precision), device=device, tokenizer=tok,
+            trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
+        t0, k, n = time.perf_counter(), cfg.k, len(todo)
+        for b in range(0, n, cfg.batch_size):
+            if self.stop.is_set():
+                return
+            chunk = todo[b:b + cfg.batch_size]
+            torch.manual_seed(cfg.seed * 1_000_003 + chunk[0])  # a restart samples a batch as before
+            jobs = [self.ids[i] for i in chunk for _ in range(k)]
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                roll = ro.generate(policy, jobs, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
+                                   max_new_tokens=cfg.response_length, temperature=cfg.temperature,
+                                   top_p=cfg.top_p, top_k=cfg.top_k)
+            texts = tok.batch_decode(roll.response * roll.response_mask, skip_special_tokens=True)
+            for j, i in enumerate(chunk):
+                self.store.add_answers(i, texts[j * k:(j + 1) * k])
+            done, el = b + len(chunk), time.perf_counter() - t0
+            print(f"sampled {done}/{n} prompts ({k} answers each; {el:.0f}s, eta {el / done * (n - done):.0f}s)",
+                  file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------ judge
+
+def judge_all(cfg: LabelConfig, store: LabelStore) -> int:
+    """Rank every unjudged prompt with ``--judge``: all C(K, 2) pairs labelled, answers ordered by
+    their wins (:func:`ranking_from_labels`), each ranking submitted as the page submits one."""
+    import random
+
+    from ppolm.judge import load_judge
+
+    judge = load_judge(cfg.judge, cfg.judge_temperature)  # type: ignore[arg-type]
+    rng = random.Random(cfg.seed)
+    k = cfg.k
+    pairs = [(a, b) for a in range(k) for b in range(a + 1, k)]
+    n = 0
+    while (i := store.next_index()) is not None:
+        row = store.answers[i]
+        cols = {c: [v] * len(pairs) for c, v in store.columns[i].items()} or None
+        labels = judge.label([row["prompt"]] * len(pairs), [row["answers"][a] for a, _ in pairs],
+                             [row["answers"][b] for _, b in pairs], rng, cols)
+        store.submit({"index": i, "ranking": ranking_from_labels(k, pairs, labels)}, labeller=f"judge:{cfg.judge}")
+        n += 1
+    return n
+
+
+# ------------------------------------------------------------------------------------ server
+
+def page_and_csp() -> tuple[bytes, str]:
+    """The page, and a Content-Security-Policy that lets only its own inline script run (by hash)."""
+    html = PAGE.read_text(encoding="utf-8")
+    scripts = re.findall(r"<script>(.*?)</script>", html, flags=re.S)
+    hashes = " ".join("'sha256-" + base64.b64encode(hashlib.sha256(s.encode()).digest()).decode() + "'"
+                      for s in scripts)
+    csp = (f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; "
+           "img-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return html.encode("utf-8"), csp
+
+
+def make_app(store: LabelStore, token: str | None, allowed_hosts: tuple[str, ...] | None = None) -> Any:
+    """The Starlette app: GET / (the page), GET /api/state, POST /api/judgement, POST /api/undo.
+
+    ``token``: every request must carry it (``?token=`` or header ``X-PPOLM-Token``), compared in
+    constant time. ``allowed_hosts``: the Host header must name one of them (against DNS
+    rebinding of a local server). POSTs must be JSON from the page's own origin (no cross-site
+    form can post one)."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    page, csp = page_and_csp()
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status, headers={"Cache-Control": "no-store"})
+
+    class Guard:
+        """ASGI middleware: host, token, origin and body-size checks before any route runs."""
+
+        def __init__(self, app: Any):
+            self.app = app
+
+        async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+            req = Request(scope)
+            refusal = self.refuse(req)
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+            return await self.app(scope, receive, send)
+
+        @staticmethod
+        def refuse(req: Request) -> JSONResponse | None:
+            host = req.headers.get("host", "")
+            if allowed_hosts is not None:
+                name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+                if name.strip("[]") not in allowed_hosts:
+                    return error(400, "unexpected Host header; open the address the server printed")
+            if token is not None:
+                given = req.headers.get("x-ppolm-token") or req.query_params.get("token") or ""
+                if not hmac.compare_digest(given.encode("utf-8", "replace"), token.encode("utf-8")):
+                    return error(401, "missing or wrong access token; open the address the server printed")
+            if req.method == "POST":
+                if req.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+                    return error(415, "send the request body as application/json")
+                origin = req.headers.get("origin")
+                if origin is not None and origin.split("://", 1)[-1] != host:
+                    return error(403, "cross-origin requests are refused")
+                size = req.headers.get("content-length")
+                if size is None or not size.isdigit() or int(size) > MAX_BODY:
+                    return error(413, f"the request body must state its length and be at most {MAX_BODY} bytes")
+            return None
+
+    async def body_of(req: Request) -> Any:
+        raw = await req.body()
+        if len(raw) > MAX_BODY:
+            raise BadRequest(413, f"the request body must be at most {MAX_BODY} bytes")
+        try:
+            return json.loads(raw.decode("utf-8")) if raw.strip() else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise BadRequest(400, "the request body is not valid JSON") from None
+
+    async def index(req: Request) -> Response:
+        return Response(page, media_type="text/html; charset=utf-8",
+                        headers={"Content-Security-Policy": csp, "Cache-Control": "no-store",
+                                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
+
+    async def state(req: Request) -> Response:
+        return JSONResponse(store.state(), headers={"Cache-Control": "no-store"})
+
+    async def judgement(req: Request) -> Response:
+        try:
+            row = store.submit(await body_of(req))
+        except BadRequest as e:
+            return error(e.status, str(e))
+        return JSONResponse({"saved": row["id"], **store.state()})
+
+    async def undo(req: Request) -> Response:
+        try:
+            i = store.undo(await body_of(req))
+        except BadRequest as e:
+            return error(e.status, str(e))
+        return JSONResponse({"undone": i, **store.state(i)})
+
+    async def http_error(req: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        detail = exc.detail if isinstance(exc, HTTPException) else "internal error; see the server's terminal"
+        return error(status, str(detail))
+
+    routes = [Route("/", index), Route("/api/state", state), Route("/api/judgement", judgement, methods=["POST"]),
+              Route("/api/undo", undo, methods=["POST"])]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: http_error})
+    app.add_middleware(Guard)
+    return app
+
+
+def access_token(cfg: LabelConfig) -> str | None:
+    """The token requests must carry: from --token-env, or a new one when --host is not local; None
+    on a local host without --token-env."""
+    if cfg.token_env:
+        value = os.environ.get(cfg.token_env, "")
+        if len(value) < 16:
+            raise PPOLMError(f"--token-env {cfg.token_env}: that environment variable must hold a token of at "
+                             "least 16 characters (e.g. from `python -c 'import secrets; print(secrets.token_urlsafe())'`)")
+        return value
+    return None if cfg.host in LOCAL_HOSTS else secrets.token_urlsafe(24)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise PPOLMError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
+    sock.listen(64)
+    return sock
+
+
+# ------------------------------------------------------------------------------------ command
+
+def settings(cfg: LabelConfig, n_prompts: int) -> dict[str, Any]:
+    """What label.json records, and a rerun must match: the model, prompts, K and sampling."""
+    return {"model": cfg.model, "prompts": str(Path(cfg.prompts).resolve()) if cfg.prompts else "built-in",
+            "n_prompts": n_prompts, "k": cfg.k, "sampling": cfg.sampling()}
+
+
+def prepare(cfg: LabelConfig) -> tuple[LabelStore, Sampler]:
+    """Read the prompts, open (or continue) the output directory, and set up the sampler."""
+    from ppolm import models
+    from ppolm.data import load_prompts
+
+    cfg.validate()
+    if cfg.judge:
+        from ppolm.judge import load_judge
+
+        load_judge(cfg.judge, cfg.judge_temperature)  # a bad spec fails before any sampling
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "label.json").is_file():
+        raise PPOLMError(f"--output-dir {out} holds other files; choose a new or empty directory")
+    tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
+    prompts = load_prompts(cfg.prompts, tok, chat_template=cfg.chat_template)
+    raws = [p.raw for p in prompts]
+    store = LabelStore(out, settings(cfg, len(raws)), raws, [p.extra for p in prompts])
+    return store, Sampler(cfg, store, tok, [p.ids for p in prompts])
+
+
+def run(cfg: LabelConfig) -> int:
+    store, sampler = prepare(cfg)
+    out = Path(cfg.output_dir)
+    if cfg.judge:
+        sampler.run()
+        if store.error:
+            raise PPOLMError(store.error)
+        n = judge_all(cfg, store)
+        s = store.state()
+        print(f"done: the judge ranked {n} prompts ({s['done']}/{s['total']} judged); {s['pairs']} pairs in "
+              f"{out / 'pairs.jsonl'}; train on them with `ppolm reward --data {out / 'pairs.jsonl'} "
+              "--group-by-prompt`")
+        return 0
+
+    import uvicorn
+
+    token = access_token(cfg)
+    sock = bind(cfg.host, cfg.port)
+    port = sock.getsockname()[1]
+    local = cfg.host in LOCAL_HOSTS
+    app = make_app(store, token, LOCAL_HOSTS if local else None)
+    thread = threading.Thread(target=sampler.run, name="ppolm-label-sampler", daemon=True)
+    thread.start()
+    shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+    s = store.state()
+    print(f"labelling {s['total']} prompts, {cfg.k} answers each ({s['done']} judged, {s['sampled']} sampled so far); "
+          f"open {url}", flush=True)
+    if not local:
+        print(f"listening on {cfg.host}: every request must carry the access token", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its shutdown; every judgement is on disk
+        pass
+    finally:
+        sampler.stop.set()
+        sock.close()
+    s = store.state()
+    print(f"stopped: {s['done']}/{s['total']} prompts judged, {s['pairs']} pairs in {out / 'pairs.jsonl'}; "
+          "run the same command to continue", flush=True)
+    return 0
