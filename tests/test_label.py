@@ -11,9 +11,10 @@ import urllib.request
 
 import pytest
 
-from ppolm import config, label
+from ppolm import config, label, label_store
 from ppolm.cli import main
-from ppolm.label import LabelConfig, LabelStore, expand_pairs, ranking_from_labels
+from ppolm.label import LabelConfig
+from ppolm.label_store import LabelStore, expand_pairs, ranking_from_labels
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -88,15 +89,15 @@ def test_judge_mode_end_to_end_and_resume(tiny_policy_dir, inputs, tmp_path, cap
     assert all(len(p["chosen"]) < len(p["rejected"]) for p in pairs)
 
     # rerun: nothing is sampled or judged again
-    before = {f: (out / f).read_bytes() for f in label.FILES}
+    before = {f: (out / f).read_bytes() for f in label_store.FILES}
     assert main(label_argv(tiny_policy_dir, inputs, out, "--judge", inputs["judge"])) == 0
-    assert {f: (out / f).read_bytes() for f in label.FILES} == before
+    assert {f: (out / f).read_bytes() for f in label_store.FILES} == before
     assert "ranked 0 prompts (4/4 judged)" in capsys.readouterr().out
 
     # other settings in the same directory are refused, and nothing changes
     assert main(label_argv(tiny_policy_dir, inputs, out, "--judge", inputs["judge"], "--temperature", "0.7")) == 2
     assert "other settings (sampling:" in capsys.readouterr().err
-    assert {f: (out / f).read_bytes() for f in label.FILES} == before
+    assert {f: (out / f).read_bytes() for f in label_store.FILES} == before
 
     # ppolm reward trains on the pairs as written (one step, tiny model)
     rm = tmp_path / "rm"
@@ -212,7 +213,7 @@ def test_html_in_answers_is_stored_and_served_verbatim(served):
 def test_malformed_requests_leave_the_files_intact(served):
     store, srv = served
     assert srv.request("/api/judgement", {"index": 0, "ranking": [[1], [0, 2]]})[0] == 200
-    files = {f: (store.out / f).read_bytes() for f in label.FILES}
+    files = {f: (store.out / f).read_bytes() for f in label_store.FILES}
     bad = [
         ({"raw": b"{not json"}, 400), ({"raw": b"\xff\xfe"}, 400), ({"body": [1, 2]}, 400),
         ({"body": {"index": 1, "ranking": [[0], [1]]}}, 400),  # answer 2 missing
@@ -239,13 +240,13 @@ def test_malformed_requests_leave_the_files_intact(served):
     assert srv.request("/api/undo", {"id": "not-the-last"})[0] == 409
     assert srv.request("/api/judgement", method="GET")[0] == 405
     assert srv.request("/no/such/page")[0] == 404
-    assert {f: (store.out / f).read_bytes() for f in label.FILES} == files
+    assert {f: (store.out / f).read_bytes() for f in label_store.FILES} == files
     # and the store still takes a good judgement, then an undo of it
     status, body = srv.request("/api/judgement", {"index": 1, "skip": True})
     assert status == 200 and json.loads(body)["done"] == 2
     status, body = srv.request("/api/undo", {"id": json.loads(body)["last"]})
     assert status == 200 and json.loads(body)["undone"] == 1 and json.loads(body)["item"]["index"] == 1
-    assert {f: (store.out / f).read_bytes() for f in label.FILES} == files
+    assert {f: (store.out / f).read_bytes() for f in label_store.FILES} == files
 
 
 def test_a_token_is_required_when_one_is_set(tmp_path):

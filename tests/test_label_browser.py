@@ -19,7 +19,8 @@ import pytest
 
 from ppolm import config, label
 from ppolm.cli import main
-from ppolm.label import LabelConfig, LabelStore, expand_pairs
+from ppolm.label import LabelConfig
+from ppolm.label_store import LabelStore, expand_pairs
 
 CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 pytestmark = [
