@@ -57,8 +57,9 @@ from typing import Any, Literal
 
 import torch
 
-from ppolm import checkpoint, core, distributed, models, rewards, trainloop
+from ppolm import checkpoint, config, core, distributed, models, rewards, sft, trainloop
 from ppolm.config_sections import LoRAOptions
+from ppolm.data import encode_prompt
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
 from ppolm.reward_train import Pair, fit_norm, freeze_lower_layers, load_pairs, score_seqs
@@ -108,8 +109,6 @@ class RefreshConfig(LoRAOptions):
     def from_reward_model(cls, rm_dir: str | Path, **overrides: Any) -> RefreshConfig:
         """The options ``ppolm reward`` trained ``rm_dir`` with (its ``reward_config.yaml``, when there
         is one), then ``overrides``."""
-        from ppolm import config
-
         f = Path(rm_dir) / CONFIG_FILE
         saved = config.load_yaml(f) if f.is_file() else {}
         names = {x.name for x in fields(cls)} - {"lr_schedule", "precision"}
@@ -130,8 +129,6 @@ def original_pairs(rm_dir: str | Path) -> tuple[list[Pair], list[Pair]]:
     """(training pairs, held-out pairs) of the reward model in ``rm_dir``, read from the files its
     ``reward_config.yaml`` names: ``data``, and ``eval_data`` or the seeded ``eval_fraction`` of
     ``data`` that ``ppolm reward`` held out (the same split). ([], []) without a config file."""
-    from ppolm import config
-
     f = Path(rm_dir) / CONFIG_FILE
     if not f.is_file():
         return [], []
@@ -218,9 +215,6 @@ class RewardModelRefresher:
 
     def _encode(self, prompt: Any, text: str) -> list[int]:
         """prompt + response + EOS, laid out as ``ppolm reward`` encodes its pairs (cached)."""
-        from ppolm import sft
-        from ppolm.data import encode_prompt
-
         key = json.dumps([prompt, text], sort_keys=True)
         if key not in self._ids:
             p_ids = encode_prompt(prompt, self.tokenizer, self.cfg.chat_template)
@@ -375,8 +369,6 @@ class RewardModelRefresher:
         """Write the refreshed reward model as a reward-model directory (weights with LoRA merged,
         tokenizer, ``ppolm_reward.json``) that ``ppolm reward-eval`` and ``ppolm ppo --reward-model``
         load. A directory holding anything but an earlier save of a refresh is refused."""
-        from ppolm import sft
-
         out = Path(out_dir)
         if out.exists() and out.resolve() == self.dir.resolve():
             raise PPOLMError(f"{out} is the reward model being refreshed (a resumed run reloads it); save the "
@@ -460,143 +452,3 @@ def refresh_ensemble(refreshers: Sequence[RewardModelRefresher], prompts: Sequen
             out[key.replace("rm_refresh/", f"rm_refresh/{name}/")] = v
     out["rm_refresh/seconds"] = time.perf_counter() - t0
     return out
-
-
-# ------------------------------------------------------------------------------------ in a PPO run
-
-@dataclass
-class GuardOptions:
-    """When a PPO run checks and refreshes its reward models (``ppolm ppo``'s --rm-check-* and
-    --rm-refresh-* options)."""
-
-    check_every: int = 0
-    """Check every N steps; 0: at each held-out evaluation."""
-    check_pairs: int = 64
-    """Answer pairs per check; 0: no check."""
-    refresh_every: int = 0
-    """Refresh every K steps; 0: never."""
-    refresh_pairs: int = 64
-    """Answer pairs labelled per refresh."""
-    refresh_steps: int = 32
-    """Reward-model optimiser steps per refresh."""
-
-    def validate(self) -> None:
-        for name in ("check_every", "check_pairs", "refresh_every"):
-            if getattr(self, name) < 0:
-                raise PPOLMError(f"--rm-{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
-        if self.refresh_every and (self.refresh_pairs < 1 or self.refresh_steps < 1):
-            raise PPOLMError("--rm-refresh-every needs --rm-refresh-pairs >= 1 and --rm-refresh-steps >= 1")
-
-
-class RewardModelGuard:
-    """The on-policy check and the refresh of a PPO run's reward models, with one random stream of its
-    own: neither changes the run's sampling stream, and its state (:meth:`state_dict`) is all a
-    resumed run needs to repeat them.
-
-    ``reward_models``: PPO's frozen :class:`ppolm.rewards.RewardModel` objects (the ensemble, in order);
-    a refresh trains each one's own copy and then loads it into them (:meth:`RewardModelRefresher.load_into`),
-    training exactly what ``ppolm reward`` trained (read from ``reward_config.yaml``), which PPO never
-    shares with the reference policy. ``heldout``: the pairs for ``rm/heldout_accuracy``; default: the
-    first reward model's own held-out pairs (:func:`original_pairs`), none when they cannot be read.
-    """
-
-    def __init__(self, reward_models: Sequence[rewards.RewardModel], judge: Judge, opts: GuardOptions, *,
-                 seed: int, device: str | torch.device, precision: Literal["bf16", "fp32"] = "fp32",
-                 ensemble_rule: str = "mean", chat_template: bool = True, max_length: int = 512,
-                 heldout: Sequence[Pair] | None = None):
-        from ppolm.rm_check import ensemble_scorer, reward_model_scorer
-
-        opts.validate()
-        if not reward_models:
-            raise PPOLMError("--judge checks and refreshes a reward model: give --reward-model DIR")
-        self.rms, self.judge, self.opts = list(reward_models), judge, opts
-        self.scorer = ensemble_scorer([reward_model_scorer(rm, chat_template=chat_template, max_length=max_length)
-                                       for rm in self.rms], ensemble_rule)
-        if heldout is None:
-            try:
-                heldout = original_pairs(self.rms[0].dir)[1]
-            except PPOLMError:
-                heldout = []
-        self.heldout = list(heldout)
-        self.refreshers = []
-        for i, rm in enumerate(self.rms if opts.refresh_every else []):
-            train, held = original_pairs(rm.dir)
-            cfg = RefreshConfig.from_reward_model(rm.dir, precision=precision, seed=seed + i)
-            self.refreshers.append(RewardModelRefresher(rm.dir, pairs=train, reference=pair_responses(train + held),
-                                                        cfg=cfg, device=device))
-        self.rng = random.Random(seed)
-
-    def sampler(self, policy: Any, tok: Any, **generation: Any) -> Sampler:
-        """The policy as the check's and refresh's sampler (``generation``: response_length, temperature,
-        top_p, top_k, chat_template, batch_size of :func:`ppolm.rm_check.policy_sampler`), seeded from
-        this guard's stream and shared by the processes of a torchrun job."""
-        from ppolm.rm_check import policy_sampler, sharded_sampler
-
-        return sharded_sampler(policy_sampler(policy, tok, rng=self.rng, **generation))
-
-    def check_due(self, step: int, evaluating: bool) -> bool:
-        """Whether the check runs at ``step``: with each held-out evaluation, or every --rm-check-every steps."""
-        if not self.opts.check_pairs:
-            return False
-        return evaluating if self.opts.check_every == 0 else step % self.opts.check_every == 0
-
-    def check(self, prompts: Sequence[Any], sampler: Sampler,
-              columns: dict[str, list[Any]] | None = None) -> dict[str, float]:
-        """The ``rm/...`` metrics of :func:`ppolm.rm_check.onpolicy_check` for the current policy."""
-        from ppolm.rm_check import onpolicy_check
-
-        return onpolicy_check(prompts, sampler, self.scorer, self.judge, self.opts.check_pairs, self.rng,
-                              heldout=self.heldout, columns=columns).metrics
-
-    def refresh_due(self, step: int) -> bool:
-        """Whether a refresh follows update ``step`` (counted from 1): every --rm-refresh-every updates."""
-        return bool(self.opts.refresh_every) and step > 0 and step % self.opts.refresh_every == 0
-
-    def refresh(self, prompts: Sequence[Any], sampler: Sampler,
-                columns: dict[str, list[Any]] | None = None) -> dict[str, float]:
-        """Refresh every reward model on one set of fresh pairs and load the result into PPO's frozen
-        models; returns the ``rm_refresh/...`` record."""
-        o = self.opts
-        if len(self.refreshers) == 1:
-            record = self.refreshers[0].refresh(prompts, sampler, self.judge, o.refresh_pairs, o.refresh_steps,
-                                                self.rng, columns=columns)
-        else:
-            record = refresh_ensemble(self.refreshers, prompts, sampler, self.judge, o.refresh_pairs,
-                                      o.refresh_steps, self.rng, columns=columns)
-        for refresher, rm in zip(self.refreshers, self.rms):
-            refresher.load_into(rm)
-        return record
-
-    def save(self, out_dir: str | Path) -> list[Path]:
-        """The refreshed reward models, as reward-model directories: ``out_dir/reward_model_refreshed``
-        (with an ensemble, one sub-directory per member); nothing before the first refresh."""
-        root = Path(out_dir) / "reward_model_refreshed"
-        if not self.refreshers or not self.refreshers[0].rounds:
-            return []
-        if len(self.refreshers) == 1:
-            return [self.refreshers[0].save(root)]
-        return [r.save(root / f"{i}_{r.name}") for i, r in enumerate(self.refreshers)]
-
-    def state_dict(self, prefix: str = "rm_guard") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(tensors, JSON meta) for :func:`ppolm.checkpoint.save`: the stream, the judge's count and each
-        refresher's state."""
-        tensors: dict[str, torch.Tensor] = {}
-        members = []
-        for i, r in enumerate(self.refreshers):
-            t, m = r.state_dict(f"{prefix}.{i}")
-            tensors.update(t)
-            members.append(m)
-        return tensors, {"rng": checkpoint._jsonable(self.rng.getstate()), "judge_calls": self.judge.calls,
-                         "refreshers": members}
-
-    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], prefix: str = "rm_guard") -> None:
-        """Restore :meth:`state_dict`'s state and give PPO's frozen models the refreshed weights again."""
-        if len(meta["refreshers"]) != len(self.refreshers):
-            raise PPOLMError(f"the checkpoint refreshed {len(meta['refreshers'])} reward models, this run "
-                             f"{len(self.refreshers)}; resume with the same --reward-model and --rm-refresh-every")
-        self.rng.setstate(checkpoint._tupled(meta["rng"]))
-        self.judge.calls = int(meta["judge_calls"])
-        for i, (r, m, rm) in enumerate(zip(self.refreshers, meta["refreshers"], self.rms)):
-            r.load_state_dict(tensors, m, f"{prefix}.{i}")
-            if r.rounds:
-                r.load_into(rm)

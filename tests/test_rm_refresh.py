@@ -1,5 +1,6 @@
-"""Reward-model refresh (ppolm/rm_refresh.py) on tiny models: it learns the judge's rule from fresh
-pairs, resumes bit-identically from a checkpoint, saves a loadable reward model, refreshes ensembles."""
+"""Reward-model refresh (ppolm/rm_refresh.py, and ppolm/rm_guard.py in a loop) on tiny models: it learns
+the judge's rule from fresh pairs, resumes bit-identically from a checkpoint, saves a loadable reward
+model, refreshes ensembles."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ppolm.models import build_tiny_model_dir
 from ppolm.reward_train import Pair, RewardTrainConfig, train_reward
 from ppolm.rewards import NORM_FILE, RewardModel, read_norm
 from ppolm.rm_check import reward_model_scorer
+from ppolm.rm_guard import GuardOptions, RewardModelGuard
 from ppolm.rm_refresh import (
     RefreshConfig,
     RewardModelRefresher,
@@ -267,7 +269,6 @@ def test_guard_checks_and_refreshes_in_a_loop_and_resumes_bit_identically(tiny_p
     """The calls a PPO run makes (check at evaluations, refresh every 2 updates, checkpoint, resume),
     on a tiny policy: a run rebuilt from a checkpoint after a refresh ends where an unbroken one does."""
     from ppolm import models
-    from ppolm.rm_refresh import GuardOptions, RewardModelGuard
 
     rng = random.Random(0)
     rows = [{"prompt": f"Say something about item {i}.", "chosen": " ".join(rng.choices(WORDS, k=6)),
