@@ -127,21 +127,23 @@ class RefreshConfig(LoRAOptions):
 
 def original_pairs(rm_dir: str | Path) -> tuple[list[Pair], list[Pair]]:
     """(training pairs, held-out pairs) of the reward model in ``rm_dir``, read from the files its
-    ``reward_config.yaml`` names: ``data``, and ``eval_data`` or the seeded ``eval_fraction`` of
-    ``data`` that ``ppolm reward`` held out (the same split). ([], []) without a config file."""
+    ``reward_config.yaml`` names: ``data`` (one file or several, read in order), and ``eval_data`` or
+    the seeded ``eval_fraction`` of ``data`` that ``ppolm reward`` held out (the same split). ([], [])
+    without a config file."""
     f = Path(rm_dir) / CONFIG_FILE
     if not f.is_file():
         return [], []
     saved = config.load_yaml(f)
     margin = saved.get("margin_column", "margin")
-    for key in ("data", "eval_data"):
-        path = saved.get(key)
+    data = saved.get("data") or []
+    files = [data] if isinstance(data, str) else list(data)
+    for key, path in [("data", x) for x in files] + [("eval_data", saved.get("eval_data"))]:
         if path and not Path(path).exists():
             raise PPOLMError(f"the reward model's {key} {path} (named in {f}) is not there; its pairs are replayed "
                              "when it is refreshed: run from the directory `ppolm reward` ran in, or restore the file")
-    if not saved.get("data"):
+    if not files:
         return [], []
-    train = load_pairs(saved["data"], margin)
+    train = [p for path in files for p in load_pairs(path, margin)]  # concatenated as `ppolm reward` does
     if saved.get("eval_data"):
         return train, load_pairs(saved["eval_data"], margin)
     if float(saved.get("eval_fraction", 0.0)) > 0:

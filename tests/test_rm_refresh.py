@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from ppolm import checkpoint, config
+from ppolm import checkpoint, config, trainloop
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
 from ppolm.models import build_tiny_model_dir
@@ -321,3 +322,28 @@ def test_guard_checks_and_refreshes_in_a_loop_and_resumes_bit_identically(tiny_p
     assert saved == [tmp_path / "run" / "reward_model_refreshed"]
     again = RewardModel(str(saved[0]), dtype=torch.float32, device="cpu")
     assert torch.allclose(reward_model_scorer(again)(*probe), a_end, atol=1e-5)
+
+
+def test_original_pairs_of_several_data_files(tmp_path):
+    """A reward model trained on several --data files (labelling rounds) replays them all, in order;
+    a missing one is named."""
+    files = []
+    for r, n in ((0, 3), (1, 2)):
+        f = tmp_path / f"round{r}.jsonl"
+        f.write_text("".join(json.dumps({"prompt": f"p{r}{i}", "chosen": f"c{r}{i}", "rejected": f"r{r}{i}"}) + "\n"
+                             for i in range(n)))
+        files.append(str(f))
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "reward_config.yaml").write_text(f"data:\n- {files[0]}\n- {files[1]}\neval_fraction: 0.0\nseed: 0\n")
+    train, held = original_pairs(rm)
+    assert [p.prompt for p in train] == ["p00", "p01", "p02", "p10", "p11"] and held == []
+    (rm / "reward_config.yaml").write_text(f"data:\n- {files[0]}\n- {files[1]}\neval_fraction: 0.4\nseed: 5\n")
+    train, held = original_pairs(rm)
+    names = ["p00", "p01", "p02", "p10", "p11"]
+    keep, out = trainloop.split_rows(list(range(5)), 0.4, 5)  # `ppolm reward`'s split of the concatenation
+    assert [p.prompt for p in train] == [names[i] for i in keep] and [p.prompt for p in held] == [names[i] for i in out]
+    assert len(held) == 2
+    Path(files[1]).unlink()
+    with pytest.raises(PPOLMError, match="round1.jsonl"):
+        original_pairs(rm)
