@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ppolm import remote
 from ppolm.errors import PPOLMError
 from ppolm.rewards import ScoreBatch, load_callable, run_async
 
@@ -315,8 +316,6 @@ class LLMJudge:
         request that failed every try."""
         import httpx
 
-        from ppolm.remote import ServiceDown, post_json
-
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         gate = asyncio.Semaphore(self.concurrency)
         what = f"judge endpoint {self.url}"
@@ -326,9 +325,9 @@ class LLMJudge:
                     "temperature": 0, "max_tokens": self.max_tokens}
             async with gate:
                 try:
-                    answer = await post_json(client, self.url, body, retries=self.retries, timeout=self.timeout,
+                    answer = await remote.post_json(client, self.url, body, retries=self.retries, timeout=self.timeout,
                                              what=what, headers=headers)
-                except ServiceDown as e:
+                except remote.ServiceDown as e:
                     return e
             try:
                 choice = answer["choices"][0]
@@ -415,8 +414,6 @@ def load_llm_judge(spec: str, mode: Literal["pointwise", "pairwise"] | None = No
     """Parse 'openai:MODEL@BASE_URL[,option=value ...]'. ``mode`` forces one (``--reward-judge``:
     pointwise); else the spec's ``mode=`` option, pairwise by default. The endpoint is BASE_URL +
     '/chat/completions' unless BASE_URL already ends with it."""
-    from ppolm.remote import endpoint
-
     head, *opts = spec[len(LLM_PREFIX):].split(",")
     model, _, base = head.rpartition("@")
     if not model or not base:
@@ -432,7 +429,7 @@ def load_llm_judge(spec: str, mode: Literal["pointwise", "pairwise"] | None = No
     if chosen not in ("pointwise", "pairwise") or (mode is not None and chosen != mode):
         raise PPOLMError(f"LLM judge '{spec}': mode must be {mode or 'pointwise or pairwise'}; got '{chosen}'")
     url = base.strip().rstrip("/")
-    url = endpoint(url if url.endswith("/chat/completions") else url + "/chat/completions", "LLM judge URL")
+    url = remote.endpoint(url if url.endswith("/chat/completions") else url + "/chat/completions", "LLM judge URL")
 
     def number(key: str, default: float, low: float, kind: type = float) -> Any:
         raw = options.get(key)
@@ -504,3 +501,27 @@ class JudgeReward:
             scores = [mean if u else s for s, u in zip(scores, unparsed)]
         return (torch.tensor(scores, dtype=torch.float32),
                 {f"reward/{self.name}_unparsed": torch.tensor(unparsed, dtype=torch.float32)})
+
+
+def build_sources(reward: Any, taken: set[str]) -> list[Any]:
+    """The remote reward sources, ``--reward-url`` (ppolm/remote.py) and ``--reward-judge``, of a :class:`ppolm.ppo_config.RewardConfig`,
+    each checked (URLs, judge specs, API-key variables) before any model loads."""
+    out: list[Any] = []
+    url_weights = reward.reward_url_weights or [1.0] * len(reward.reward_url)
+    for spec, w in zip(reward.reward_url, url_weights):
+        urls = [u.strip() for u in spec.split(",") if u.strip()]
+        if not urls:
+            raise PPOLMError(f"--reward-url '{spec}' holds no URL")
+        out.append(remote.RemoteReward(remote.source_name(spec, taken), urls, w,
+                                       batch_size=reward.reward_url_batch_size, timeout=reward.reward_url_timeout,
+                                       retries=reward.reward_url_retries, label_column=reward.reward_url_label_column))
+    judge_weights = reward.reward_judge_weights or [1.0] * len(reward.reward_judge)
+    for spec, w in zip(reward.reward_judge, judge_weights):
+        llm = load_llm_judge(spec, mode="pointwise")
+        base, i = f"judge_{llm.model}", 2
+        name = base
+        while name in taken:
+            name, i = f"{base}_{i}", i + 1
+        taken.add(name)
+        out.append(JudgeReward(name, llm, w))
+    return out

@@ -76,7 +76,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
 
 class PPOTrainer:
     def __init__(self, cfg: PPOConfig):
-        from ppolm import models, ppo_models, remote
+        from ppolm import judge, models, ppo_models
         from ppolm.frozen import FrozenModels
         from ppolm.rewards import RewardFunction, function_name, load_reward_fn, reward_model_dir
 
@@ -96,7 +96,7 @@ class PPOTrainer:
         weights = cfg.reward.reward_fn_weights or [1.0] * len(specs)
         taken: set[str] = set()
         functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), w) for s, w in zip(specs, weights)]
-        functions += remote.build_sources(cfg.reward, taken)  # --reward-url, --reward-judge (ppolm/remote.py)
+        functions += judge.build_sources(cfg.reward, taken)  # --reward-url, --reward-judge
         self.eval_functions = [RewardFunction(function_name(s, taken), load_reward_fn(s), 1.0)
                                for s in cfg.run.eval_reward_fn]
         self.tokenizer = models.load_tokenizer(m.model)

@@ -228,29 +228,3 @@ def source_name(url_spec: str, taken: set[str]) -> str:
         name, i = f"{base}_{i}", i + 1
     taken.add(name)
     return name
-
-
-def build_sources(reward: Any, taken: set[str]) -> list[Any]:
-    """The ``--reward-url`` and ``--reward-judge`` sources of a :class:`ppolm.ppo_config.RewardConfig`,
-    each checked (URLs, judge specs, API-key variables) before any model loads."""
-    from ppolm.judge import JudgeReward, load_llm_judge
-
-    out: list[Any] = []
-    url_weights = reward.reward_url_weights or [1.0] * len(reward.reward_url)
-    for spec, w in zip(reward.reward_url, url_weights):
-        urls = [u.strip() for u in spec.split(",") if u.strip()]
-        if not urls:
-            raise PPOLMError(f"--reward-url '{spec}' holds no URL")
-        out.append(RemoteReward(source_name(spec, taken), urls, w, batch_size=reward.reward_url_batch_size,
-                                timeout=reward.reward_url_timeout, retries=reward.reward_url_retries,
-                                label_column=reward.reward_url_label_column))
-    judge_weights = reward.reward_judge_weights or [1.0] * len(reward.reward_judge)
-    for spec, w in zip(reward.reward_judge, judge_weights):
-        llm = load_llm_judge(spec, mode="pointwise")
-        base, i = f"judge_{llm.model}", 2
-        name = base
-        while name in taken:
-            name, i = f"{base}_{i}", i + 1
-        taken.add(name)
-        out.append(JudgeReward(name, llm, w))
-    return out
