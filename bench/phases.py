@@ -22,9 +22,9 @@ Each phase's floor is measured in the same process afterwards, with plain torch/
 the last step's batch (B x (P + R) tokens, logits only for the R response positions, as both
 trainers compute them), best of --floor-repeats:
 
-* decode: the weight bytes read per decoded token / the memory read bandwidth (``sum`` over a
-  512 MiB tensor), x R tokens; next to it a plain HF ``generate`` of the batch (R new tokens,
-  sampling), the cost of decoding without ppolm.
+* decode: the weight bytes read per decoded token / the memory bandwidth (the fastest of a sum,
+  a max, a dot product and a copy over a 512 MiB tensor), x R tokens; next to it a plain HF
+  ``generate`` of the batch (R new tokens, sampling), the cost of decoding without ppolm.
 * reference forward: one causal-LM forward without grad; reward forward: one forward of the trunk
   (no LM head) without grad.
 * policy / critic forward: the same with grad (what a training pass must do: keep activations).
@@ -300,12 +300,15 @@ def best_of(repeats: int, fn: Callable[[], Any]) -> float:
 
 
 def read_bandwidth(repeats: int) -> float:
-    """Memory read bandwidth, bytes/s: a sum over a 512 MiB float32 tensor."""
+    """Memory bandwidth, bytes/s: the fastest of a sum, a max and a dot product over a 512 MiB float32
+    tensor (bytes read) and a copy of it (bytes read and written); a floor wants the highest rate."""
     import torch
 
     x = torch.ones(128 * 2**20)
-    s = best_of(repeats, lambda: x.sum())
-    return x.numel() * 4 / s
+    y = torch.empty_like(x)
+    size = x.numel() * 4
+    reads = [size / best_of(repeats, fn) for fn in (x.sum, x.amax, lambda: torch.dot(x, x))]
+    return max(*reads, 2 * size / best_of(repeats, lambda: y.copy_(x)))
 
 
 def measure_floors(args: argparse.Namespace, prompts: list[list[int]] | None, shapes: dict[str, list[tuple]],
