@@ -11,8 +11,9 @@ optimiser). The last line printed is one JSON object with every run and the medi
 
 The work is the same on both sides, option by option (TRL 0.29.1 names, see trl/trainer/grpo_config.py):
 
-* model: SmolLM2-135M-Instruct, full fine-tuning, fp32 (``--precision bf16``: TRL's bf16 mixed
-  precision, ``bf16=True``, against ppolm's bf16 compute with fp32 master weights). ppolm loads
+* model: SmolLM2-135M-Instruct, full fine-tuning, fp32 (TRL's configs default to ``bf16=True``,
+  so ``bf16=False``; ``--precision bf16``: TRL's bf16 mixed precision against ppolm's bf16 compute
+  with fp32 master weights). ppolm loads
   --ppolm-model (by default its embedded copy), TRL --trl-model (an HF directory of the same
   weights, from ../shared/peer-bench/make_smol_hf.py); TRL: ``model_init_kwargs={"dtype": ...}``.
 * prompts: the peer bench's 64 chat prompts "Write one sentence about <topic>." (its TOPICS list,
@@ -43,7 +44,7 @@ The work is the same on both sides, option by option (TRL 0.29.1 names, see trl/
   1e-8, no weight decay, gradients clipped at norm 1 (TRL's defaults ``learning_rate=1e-6,
   lr_scheduler_type="linear", adam_epsilon=1e-8, optim="adamw_torch_fused"``; ppolm
   ``--actor-lr 1e-6 --lr-schedule linear --adam-eps 1e-8``).
-* no gradient checkpointing (TRL's configs default to it: ``gradient_checkpointing=False``), no
+* no gradient checkpointing (TRL's configs turn it on by default; here ``gradient_checkpointing=False``), no
   checkpoints (TRL ``save_strategy="no"``; ppolm's steps run through its Python API, which writes
   none), logging every step on TRL (``logging_steps=1``), no vLLM, no Liger kernel, no compile.
 * reward: :func:`length_reward`, the completion's length in characters / 100, a rule that costs

@@ -149,9 +149,11 @@ def decode_floor_s(weight_bytes: int, new_tokens: int, bytes_per_s: float) -> fl
 
 def phase_rows(seconds: dict[str, float | None], floors: dict[str, float | None]
                ) -> list[tuple[str, float | None, float | None, float | None]]:
-    """(label, seconds, floor, ratio) per phase of PHASES; "sum" as a floor key: the sum of the others' floors."""
+    """(label, seconds, floor, ratio) per phase of PHASES; "sum" as a floor key: the sum of the others'
+    floors (None when there are none)."""
     rows = []
-    floor_sum = sum(f for key, _, fk in PHASES if fk not in (None, "sum") and (f := floors.get(fk)) is not None)
+    known = [f for _, _, fk in PHASES if fk not in (None, "sum") and (f := floors.get(fk)) is not None]
+    floor_sum = sum(known) if known else None
     for key, label, fk in PHASES:
         s = seconds.get(key)
         f = floor_sum if fk == "sum" else floors.get(fk) if fk else None
@@ -406,7 +408,7 @@ def main() -> None:
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--steps", type=int, default=4, help="PPO steps; the first is left out of the medians")
-    ap.add_argument("--critic-layers", type=int, default=0, help="0: a full critic (TRL's work); 4: ppolm's default")
+    ap.add_argument("--critic-layers", type=int, default=0, help="0: a full critic (TRL's work); 4: ppolm's default (the critic's floors stay a full critic's)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--response-length", type=int, default=32)

@@ -128,3 +128,5 @@ def test_phase_rows_divide_by_each_floor_and_sum_them_for_the_step():
     assert rows["optimiser step: policy"] == [None, 1.0, None]  # not timed: no ratio
     assert rows["everything else"] == [0.5, None, None]
     assert rows["whole step"] == [12.0, 3.5, pytest.approx(12.0 / 3.5)]
+    no_floors = {label: rest for label, *rest in phases.phase_rows(seconds, {})}
+    assert no_floors["whole step"] == [12.0, None, None]
