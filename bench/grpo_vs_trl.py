@@ -219,6 +219,19 @@ def child(args: argparse.Namespace) -> None:
 
 
 # ---- the parent: alternate the two, one child process each --------------------------------------
+def result_line(stdout: str) -> dict[str, Any] | None:
+    """A child's result: its last stdout line that is a JSON object with a "system" (TRL's Trainer
+    also prints its logs, as Python dicts, to stdout)."""
+    for line in reversed(stdout.splitlines()):
+        try:
+            res = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(res, dict) and "system" in res:
+            return res
+    return None
+
+
 def spawn(python: str, args: argparse.Namespace, side: str) -> dict[str, Any]:
     """Run one side in a child process; its JSON result plus its own peak RSS (``os.wait4``)."""
     cmd = [python, str(HERE), "--side", side, "--steps", str(args.steps), "--batch", str(args.batch),
@@ -239,10 +252,9 @@ def spawn(python: str, args: argparse.Namespace, side: str) -> dict[str, Any]:
         proc.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
         tail = err.read()[-3000:]
-    lines = [x for x in stdout.splitlines() if x.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    res = result_line(stdout)
+    if proc.returncode != 0 or res is None:
         return {"system": side, "error": f"exit {proc.returncode}", "stderr_tail": tail, "s_per_step": None}
-    res = json.loads(lines[-1])
     res["peak_rss_mb"] = round(usage.ru_maxrss / 1024, 1)  # Linux: KiB
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     res["s_per_step"] = steady(res["step_s"], args.warmup)

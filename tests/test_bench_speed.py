@@ -54,6 +54,13 @@ def test_summarise_takes_medians_per_system_and_ppolm_over_trl():
     assert grpo_vs_trl.summarise(runs[:1])["s_per_step_ratio"] is None  # no TRL run: no ratio
 
 
+def test_result_line_is_the_last_json_object_of_a_child():
+    out = ("{'loss': 0.1, 'grad_norm': 2.0}\n"  # TRL's Trainer prints its logs as Python dicts
+           '{"system": "trl", "step_s": [1.0]}\n{"other": 1}\nnot json\n')
+    assert grpo_vs_trl.result_line(out) == {"system": "trl", "step_s": [1.0]}
+    assert grpo_vs_trl.result_line("{'loss': 0.1}\n") is None
+
+
 def test_grpo_bench_refuses_steps_that_leave_nothing_after_warmup(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["grpo_vs_trl.py", "--only", "ppolm", "--steps", "1"])
     with pytest.raises(SystemExit) as e:
