@@ -22,8 +22,8 @@ Each phase's floor is measured in the same process afterwards, with plain torch/
 the last step's batch (B x (P + R) tokens, logits only for the R response positions, as both
 trainers compute them), best of --floor-repeats:
 
-* decode: the weight bytes read per decoded token / the memory bandwidth (the fastest of a sum,
-  a max, a dot product and a copy over a 512 MiB tensor), x R tokens; next to it a plain HF
+* decode: the weight bytes read per decoded token / the memory bandwidth (the fastest of five
+  streaming kernels over 512 MiB tensors, see read_bandwidth), x R tokens; next to it a plain HF
   ``generate`` of the batch (R new tokens, sampling), the cost of decoding without ppolm.
 * reference forward: one causal-LM forward without grad; reward forward: one forward of the trunk
   (no LM head) without grad.
@@ -198,6 +198,12 @@ class BackwardSplit:
         self.total.clear()
         return out
 
+    def restore(self) -> None:
+        """Put torch's own ``Tensor.backward`` back."""
+        import torch
+
+        torch.Tensor.backward = self.original
+
 
 def build_trainer(args: argparse.Namespace, tmp: Path) -> Any:
     import torch
@@ -276,17 +282,12 @@ def measure_steps(args: argparse.Namespace, trainer: Any) -> tuple[list[dict[str
         known = [row[k] for k, _, _ in PHASES if k not in ("other", "step") and row.get(k) is not None]
         row["other"] = wall - sum(known)
         rows.append(row)
-    torch_backward_restore(backward)
+    backward.restore()
     if generate is not None:
         ro.generate = generate
     info = {"wrapped": wrapped, "prompts": seen.get("prompts"), "precision": trainer.precision}
     return rows, info
 
-
-def torch_backward_restore(split: BackwardSplit) -> None:
-    import torch
-
-    torch.Tensor.backward = split.original
 
 
 # ---- the floors, with plain torch/transformers ---------------------------------------------------
@@ -303,14 +304,16 @@ def best_of(repeats: int, fn: Callable[[], Any]) -> float:
 
 def read_bandwidth(repeats: int) -> float:
     """Memory bandwidth, bytes/s: the fastest of a sum, a max and a dot product over a 512 MiB float32
-    tensor (bytes read) and a copy of it (bytes read and written); a floor wants the highest rate."""
+    tensor (bytes read), a copy (read + written) and y += x * z (3 read + 1 written): streaming
+    several arrays at once is faster on many CPUs, and a floor wants the highest rate."""
     import torch
 
     x = torch.ones(128 * 2**20)
-    y = torch.empty_like(x)
+    y, z = torch.zeros_like(x), torch.ones_like(x)
     size = x.numel() * 4
     reads = [size / best_of(repeats, fn) for fn in (x.sum, x.amax, lambda: torch.dot(x, x))]
-    return max(*reads, 2 * size / best_of(repeats, lambda: y.copy_(x)))
+    return max(*reads, 2 * size / best_of(repeats, lambda: y.copy_(x)),
+               4 * size / best_of(repeats, lambda: y.addcmul_(x, z)))
 
 
 def measure_floors(args: argparse.Namespace, prompts: list[list[int]] | None, shapes: dict[str, list[tuple]],

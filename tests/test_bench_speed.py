@@ -111,7 +111,7 @@ def test_backward_split_labels_each_models_gradient_time():
         wall = time.perf_counter() - t
         got = split.take()
     finally:
-        phases.torch_backward_restore(split)
+        split.restore()
     assert torch.Tensor.backward is split.original
     assert {"policy_bwd", "critic_bwd"} <= set(got) <= {"policy_bwd", "critic_bwd", "other"}
     assert all(v >= 0 for v in got.values()) and sum(got.values()) <= wall
