@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from ppolm import critic as critic_lib
 from ppolm import models
 from ppolm.ppo_config import PPOConfig
+from ppolm.rewards import Rewarder, RewardModel
 
 
 @dataclass
@@ -46,7 +48,6 @@ class PPOModels:
 def build(cfg: PPOConfig, tokenizer: Any, model_dir: Path, functions: list[Any], dtype: torch.dtype,
           device: torch.device) -> PPOModels:
     """Load and set up the four models of ``cfg`` (``functions``: the loaded reward functions)."""
-    from ppolm.rewards import Rewarder, RewardModel
 
     m = cfg.model
     load = dict(dtype=dtype, device=device, trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
@@ -80,7 +81,6 @@ def build_critic(built: PPOModels, cfg: PPOConfig, tokenizer: Any, model_dir: Pa
     """4. critic: a separate model (from the RM or the policy), by default only its top layers
     trained on the frozen trunk they share with that model (ppolm/critic.py); or a value head on
     the policy's trunk. Sets the critic fields of ``built``."""
-    from ppolm import critic as critic_lib
 
     m, rms, device = cfg.model, built.rewarder.models, load["device"]
     if m.critic == "shared":

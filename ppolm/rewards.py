@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ppolm import models, trunk
 from ppolm.errors import PPOLMError
 
 NORM_FILE = "ppolm_reward.json"
@@ -111,7 +112,6 @@ class RewardFunction:
 
 def reward_model_dir(path: str, *, allow_pickle: bool = False) -> Path:
     """The model directory of reward model ``path``, checked to have a scalar head (before any model loads)."""
-    from ppolm import models
 
     found = models.resolve_model_dir(path, allow_pickle=allow_pickle)
     if not models.has_scalar_head(found):
@@ -125,7 +125,6 @@ class RewardModel:
 
     def __init__(self, path: str, *, dtype: torch.dtype, device: str | torch.device,
                  trust_remote_code: bool = False, allow_pickle: bool = False):
-        from ppolm import models
 
         self.name = Path(path).name or str(path)
         self.dir = reward_model_dir(path, allow_pickle=allow_pickle)
@@ -142,7 +141,6 @@ class RewardModel:
         With ``hidden`` (B, T, d), the state entering layer ``start`` that this model shares with the
         reference (ppolm/trunk.py), only layers ``start ..`` run. ``split``: the rows' common beginning,
         run once (ppolm/prefix.py)."""
-        from ppolm import models, trunk
 
         if hidden is None:
             values = models.scalar_forward(self.model, ids, mask, split=split)  # (B, T)
