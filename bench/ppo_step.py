@@ -56,8 +56,8 @@ def run_one(workload: str, precision: str, steps: int) -> dict:
     import torch
 
     from ppolm import config, models
+    from ppolm.ppo import PPOTrainer
     from ppolm.ppo_config import PPOConfig
-    from ppolm.ppo_trainer import PPOTrainer
 
     tmp = Path(tempfile.mkdtemp(prefix="ppolm_bench_"))
     torch.manual_seed(0)
