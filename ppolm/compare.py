@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ppolm import config, runtime
+from ppolm import atomic, config, runtime
 from ppolm import rollout as ro
 from ppolm.data import load_prompts
 from ppolm.dpo import DPOConfig, _train_dpo
@@ -118,7 +118,7 @@ def _child(kind: str, options: dict[str, Any], out_dir: str, threads: int, evalu
     except KeyboardInterrupt:
         status = "interrupted"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
-    (out / "algorithm.json").write_text(json.dumps({
+    atomic.write_text(out / "algorithm.json", json.dumps({
         "status": status, "error": error, "wall_s": round(before.get("wall_s", 0.0) + time.perf_counter() - t0, 1),
         "peak_rss_mb": round(max(peak, before.get("peak_rss_mb", 0.0)), 1)}, indent=2))
 

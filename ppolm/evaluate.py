@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from ppolm import core, distributed, models
+from ppolm import atomic, core, distributed, models
 from ppolm import rollout as ro
 from ppolm.config_sections import DeviceOptions, ModelLoading
 from ppolm.data import load_prompts
@@ -211,7 +211,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     if distributed.is_main():
         path = Path(cfg.output)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        atomic.write_text(path, json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     distributed.barrier()
     return result
 
@@ -291,7 +291,7 @@ def reward_eval(cfg: RewardEvalConfig) -> dict[str, Any]:
 
     out = {"reward_model": cfg.reward_model, "data": cfg.data, **evaluate_pairs(score, encoded, cfg.batch_size)}
     if cfg.output:
-        Path(cfg.output).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        atomic.write_text(Path(cfg.output), json.dumps(out, indent=1) + "\n")
     return out
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppolm import alarms, compare
+from ppolm import alarms, atomic, compare
 from ppolm.config import load_yaml
 from ppolm.errors import PPOLMError
 from ppolm.tracking import read_jsonl
@@ -450,5 +450,5 @@ def write_report(run_dir: str | Path) -> Path:
 {extra}<h2>Config</h2>{config_html(run.config)}
 </body></html>"""
     path = run.dir / "report.html"
-    path.write_text(page, encoding="utf-8")
+    atomic.write_text(path, page)
     return path

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ppolm import models, trunk
+from ppolm import atomic, models, trunk
 from ppolm.errors import PPOLMError
 
 NORM_FILE = "ppolm_reward.json"
@@ -177,7 +177,7 @@ def read_norm(model_dir: str | Path) -> tuple[float, float]:
 
 
 def write_norm(model_dir: str | Path, gain: float, bias: float, **info: Any) -> None:
-    (Path(model_dir) / NORM_FILE).write_text(json.dumps({"gain": gain, "bias": bias, **info}, indent=2))
+    atomic.write_text(Path(model_dir) / NORM_FILE, json.dumps({"gain": gain, "bias": bias, **info}, indent=2))
 
 
 def ensemble(scores: torch.Tensor, how: str) -> torch.Tensor:
