@@ -100,7 +100,7 @@ def main() -> None:
     for spec in args.models.split(","):
         model = spec
         if spec == "tiny":
-            from ppolm.models import build_tiny_model_dir
+            from ppolm.tiny import build_tiny_model_dir
 
             model = str(build_tiny_model_dir(tmp / "tiny", kind="causal", seed=0))
         results = {n: run(n, model, args.steps, args.precision, tmp) for n in (1, 2)}

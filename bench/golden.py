@@ -49,9 +49,9 @@ def record() -> dict[str, Any]:
     import torch
 
     from ppolm import config
-    from ppolm.models import build_tiny_model_dir
     from ppolm.ppo import train_ppo
     from ppolm.ppo_config import PPOConfig
+    from ppolm.tiny import build_tiny_model_dir
 
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="ppolm_golden_"))

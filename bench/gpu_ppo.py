@@ -25,9 +25,9 @@ def run(shape: str, device: str, steps: int, batch: int, length: int, tmp: Path)
     import torch
 
     from ppolm import config
-    from ppolm.models import build_tiny_model_dir
-    from ppolm.ppo import PPOTrainer
     from ppolm.ppo_config import PPOConfig
+    from ppolm.ppo_trainer import PPOTrainer
+    from ppolm.tiny import build_tiny_model_dir
 
     policy = build_tiny_model_dir(tmp / f"{shape}-policy", kind="causal", seed=0, **SHAPES[shape])
     rm = build_tiny_model_dir(tmp / f"{shape}-rm", kind="scalar", seed=1, **SHAPES[shape])

@@ -18,6 +18,7 @@ import torch
 
 from ppolm import core
 from ppolm import rollout as ro
+from ppolm.models import scalar_head
 
 
 class ActorCritic(torch.nn.Module):
@@ -75,7 +76,6 @@ class ActorCritic(torch.nn.Module):
     def values(self, roll: ro.Rollout, h: torch.Tensor, trunk: torch.Tensor | None) -> torch.Tensor | None:
         """The critic's values (B, R) of a rollout (None without a critic); ``h``: the policy's hidden
         state over the response (a shared trunk's head reads it)."""
-        from ppolm.models import scalar_head
 
         v = None
         if self.value_head is not None:

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ppolm.tracking import read_jsonl
+
 Rows = list[dict[str, Any]]
 
 
@@ -293,8 +295,6 @@ class AlarmWatcher:
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def poll(self) -> list[Alarm]:
-        from ppolm.tracking import read_jsonl
-
         new = [a for a in self.check(read_jsonl(self.path)) if a.name not in self.seen]
         for a in new:
             self.seen.add(a.name)

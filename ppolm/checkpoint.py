@@ -10,21 +10,21 @@ checkpoint whose manifest does not match its files is skipped with a warning on 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ppolm.atomic import atomic_dir
+from ppolm.distributed import full, gather_objects, is_sharded, local, shard_like
 from ppolm.errors import PPOLMError
 
 PREFIX = "step-"
@@ -36,14 +36,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rng_state(ranks: list[Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -99,7 +91,6 @@ def _tupled(x: Any) -> Any:
 def optimizer_state(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Split an optimiser state dict into tensors (for safetensors) and JSON. States of FSDP-sharded
     parameters are gathered whole (every process must call this)."""
-    from ppolm.distributed import full
 
     sd = opt.state_dict()
     tensors, scalars = {}, {}
@@ -123,7 +114,6 @@ def load_optimizer_state(opt: torch.optim.Optimizer, prefix: str, tensors: dict[
         pid, k = key.split(".", 1)
         state.setdefault(int(pid), {})[k] = v
     # FSDP-sharded parameters: their states sharded alike (load_state_dict does not)
-    from ppolm.distributed import is_sharded, shard_like
 
     params = [p for g in opt.param_groups for p in g["params"]]
     for pid, st in state.items():
@@ -139,22 +129,6 @@ DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk 
                errno.EROFS: "read-only file system"}
 
 
-@contextlib.contextmanager
-def safetensors_os_errors(path: Path | str) -> Iterator[None]:
-    """Re-raise a safetensors write failure as the OSError behind it, so that the callers' OSError
-    handling (:func:`disk_error`) sees a full disk as one. safetensors raises its own
-    ``SafetensorError`` ("I/O error: No space left on device (os error 28)"), not an OSError, when
-    the disk fills while it writes a checkpoint or a model; other errors pass unchanged."""
-    try:
-        yield
-    except Exception as e:
-        found = re.search(r"os error (\d+)", str(e)) if type(e).__name__ == "SafetensorError" else None
-        if found is None:
-            raise
-        code = int(found.group(1))
-        raise OSError(code, os.strerror(code), str(path)) from e
-
-
 def disk_error(e: OSError, where: Path, what: str = "") -> BaseException:
     """A full disk or a permission problem as one PPOLMError line; any other OSError unchanged."""
     why = DISK_ERRNOS.get(e.errno or 0)
@@ -168,7 +142,6 @@ def disk_error(e: OSError, where: Path, what: str = "") -> BaseException:
 def first_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """Name of the first floating-point tensor holding NaN or inf, or None. FSDP-sharded tensors
     are checked shard by shard, each process its own, and the verdict is shared."""
-    from ppolm.distributed import gather_objects, is_sharded, local
 
     bad, sharded = None, False
     for name, t in named:
@@ -187,34 +160,6 @@ def _remove_stale(root: Path, pattern: str) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield an empty temporary directory beside ``final``; on success, flush it and swap it in
-    for ``final`` (an existing ``final`` is replaced only after the new one is complete)."""
-    parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(parent, f".tmp-{final.name}-*")
-    _remove_stale(parent, f".old-{final.name}-*")
-    tmp = parent / f".tmp-{final.name}-{os.getpid()}"
-    old = parent / f".old-{final.name}-{os.getpid()}"
-    try:
-        tmp.mkdir()
-        with safetensors_os_errors(tmp):
-            yield tmp
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def save(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], keep_last: int) -> Path:
     """Write checkpoint ``root/step-NNNNNN`` atomically; keep the newest ``keep_last``.
 
@@ -229,34 +174,16 @@ def save(root: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str
         raise PPOLMError(f"refusing to save a checkpoint with non-finite values in {bad} (step {step}); the "
                          "previous checkpoint is intact")
     final = root / f"{PREFIX}{step:06d}"
-    tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale(root, f".tmp-{PREFIX}*")
-        tmp.mkdir()
-        with safetensors_os_errors(tmp / "tensors.safetensors"):
+        with atomic_dir(final) as tmp:  # a checkpoint being redone (the newer one was corrupt) is replaced
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / "tensors.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({"step": step, **meta}), encoding="utf-8")
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-            files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f)}
-        with open(tmp / "manifest.json", "w", encoding="utf-8") as fh:
-            json.dump({"step": step, "files": files}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        if final.exists():  # a checkpoint being redone (the newer one was corrupt): replace it
-            discard(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+            (tmp / "state.json").write_text(json.dumps({"step": step, **meta}), encoding="utf-8")
+            files = {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(tmp.iterdir())}
+            (tmp / "manifest.json").write_text(json.dumps({"step": step, "files": files}), encoding="utf-8")
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise disk_error(e, root, f"checkpoint {final.name}") from None
-    except BaseException:  # e.g. a second Ctrl-C: no half-written directory stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for path in list_checkpoints(root):  # newer ones are corrupt leftovers of the steps being redone
         if path.name > final.name:
             discard(path)
@@ -327,16 +254,3 @@ def load_latest(root: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, An
                 problem = f"unreadable ({type(e).__name__})"
         warn(f"skipping corrupt checkpoint {path.name}: {problem}; trying the previous one")
     return None
-
-
-def check_creatable(out: Path) -> None:
-    """One line, before anything is written, when ``--output-dir`` could not be created or written:
-    its nearest existing ancestor is a file or not writable."""
-    parent = out
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise PPOLMError(f"cannot create --output-dir {out} ({parent} is a file); choose a writable path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PPOLMError(f"cannot write to --output-dir {out} (permission denied on {parent}); "
-                         "choose a writable path")

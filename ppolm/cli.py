@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
 
+from ppolm import __version__, config, distributed, runtime
 from ppolm.errors import PPOLMError
+from ppolm.ppo import train_ppo
 
 COMMANDS: dict[str, tuple[str, str, str]] = {
     # name: ("config.module:ConfigClass", "runner.module:function(cfg) -> exit code", help)
@@ -29,25 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def quiet_libraries() -> None:
-    """Offline, and without the warnings and progress bars of the libraries ppolm drives (also in
-    the processes ppolm spawns: ppolm/compare.py)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub at run time
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch.utils.tensorboard")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
 def run_ppo(cfg: Any) -> int:
-    from ppolm.ppo import train_ppo
-
     result = train_ppo(cfg)
     if result.interrupted:
         return 130
@@ -65,7 +48,6 @@ def run_ppo(cfg: Any) -> int:
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    from ppolm import __version__, config
 
     parser = argparse.ArgumentParser(prog="ppolm", description="RLHF with PPO for language models, on a CPU or GPU.",
                                      epilog="`ppolm COMMAND --help` lists a command's options by section "
@@ -99,20 +81,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    from ppolm import distributed
 
     streams = sys.stdout, sys.stderr  # processes other than 0 of a torchrun job silence them
     try:
         import importlib
 
-        from ppolm import config
 
         world = distributed.launched_world_size()  # before anything is read or written
         if world > 1 and args.command in SINGLE_PROCESS:
             raise distributed.RankError(f"ppolm {args.command} runs as one process; launch it without torchrun "
                                         f"(WORLD_SIZE={world} is set)")
         cfg = config.from_cli(args._cfg_cls, args, args.command)
-        quiet_libraries()
+        runtime.quiet_libraries()
         module, _, fn = COMMANDS[args.command][1].partition(":")
         rc = getattr(importlib.import_module(module), fn)(cfg)
         distributed.shutdown()

@@ -20,7 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ppolm import atomic, config, runtime
+from ppolm import rollout as ro
+from ppolm.data import load_prompts
+from ppolm.dpo import DPOConfig, _train_dpo
 from ppolm.errors import PPOLMError
+from ppolm.gold import gold_score
+from ppolm.ppo import train_ppo
+from ppolm.ppo_config import PPOConfig
+from ppolm.rewards import RewardModel
+from ppolm.runtime import dtype_of, resolve_device, seeded_rng
+from ppolm.tracking import read_jsonl
 
 ALGORITHMS = ("ppo", "grpo", "dr-grpo", "rloo", "reinforce++", "reinforce++-baseline", "remax", "dpo")
 
@@ -88,9 +98,8 @@ def _child(kind: str, options: dict[str, Any], out_dir: str, threads: int, evalu
 
     import torch
 
-    from ppolm import cli, config
 
-    cli.quiet_libraries()  # a spawned process starts without the parent's warning filters
+    runtime.quiet_libraries()  # a spawned process starts without the parent's warning filters
     torch.set_num_threads(threads)
     out = Path(out_dir)
     before = json.loads((out / "algorithm.json").read_text()) if (out / "algorithm.json").is_file() else {}
@@ -98,12 +107,9 @@ def _child(kind: str, options: dict[str, Any], out_dir: str, threads: int, evalu
     status, error = "done", None
     try:
         if kind == "dpo":
-            from ppolm.dpo import DPOConfig, _train_dpo
 
             _, finished = _train_dpo(config.build(DPOConfig, options), on_epoch=HeldOutEval(out, **evaluation or {}))
         else:
-            from ppolm.ppo import train_ppo
-            from ppolm.ppo_config import PPOConfig
 
             finished = not train_ppo(config.build(PPOConfig, options)).interrupted
         status = "done" if finished else "interrupted"
@@ -112,7 +118,7 @@ def _child(kind: str, options: dict[str, Any], out_dir: str, threads: int, evalu
     except KeyboardInterrupt:
         status = "interrupted"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
-    (out / "algorithm.json").write_text(json.dumps({
+    atomic.write_text(out / "algorithm.json", json.dumps({
         "status": status, "error": error, "wall_s": round(before.get("wall_s", 0.0) + time.perf_counter() - t0, 1),
         "peak_rss_mb": round(max(peak, before.get("peak_rss_mb", 0.0)), 1)}, indent=2))
 
@@ -124,9 +130,6 @@ class HeldOutEval:
 
     def __init__(self, out: Path, *, prompts: str, reward_model: str, response_length: int, temperature: float,
                  seed: int, device: str, precision: str):
-        from ppolm.data import load_prompts
-        from ppolm.rewards import RewardModel
-        from ppolm.runtime import dtype_of, resolve_device
 
         self.out, self.seed = out, seed
         self.response_length, self.temperature = response_length, temperature
@@ -139,9 +142,6 @@ class HeldOutEval:
     def __call__(self, epoch: int, model: Any) -> None:
         import torch
 
-        from ppolm import rollout as ro
-        from ppolm.gold import gold_score
-        from ppolm.runtime import seeded_rng
 
         model.eval()
         tok = self.rm.tokenizer
@@ -174,7 +174,6 @@ def summarise(runs: dict[str, tuple[Path, dict[str, Any], dict[str, Any]]], gold
     """name -> (run directory, settings, {"wall_s", "peak_rss_mb"}) as demo.json's "comparison":
     each algorithm's held-out evaluations (KL, gold, proxy, with standard errors), its best gold
     evaluation, and its cost."""
-    from ppolm.tracking import read_jsonl
 
     table: dict[str, Any] = {}
     for name, (run_dir, settings, cost) in runs.items():

@@ -32,17 +32,6 @@ import torch
 from ppolm import models, prefix
 
 
-def stack(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList] | None:
-    """(backbone, its decoder layers) of a causal LM or scalar model (through peft), or None when the
-    architecture does not expose ``layers`` and ``norm``."""
-    inner = models._unwrap(model)
-    backbone = getattr(inner, inner.base_model_prefix, None)
-    layers = getattr(backbone, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or getattr(backbone, "norm", None) is None:
-        return None
-    return backbone, layers
-
-
 class Tap:
     """Captures the hidden state entering one decoder layer of a frozen model, while active (the
     last capture wins; clear ``hidden`` before a new batch)."""
@@ -74,7 +63,7 @@ class TrunkCritic(torch.nn.Module):
 
     def __init__(self, scalar_model: torch.nn.Module, n: int):
         super().__init__()
-        found = stack(scalar_model)
+        found = models.stack(scalar_model)
         if found is None:
             raise ValueError("architecture without backbone.layers/backbone.norm")
         backbone, layers = found
@@ -103,8 +92,8 @@ class TrunkCritic(torch.nn.Module):
         """The whole critic as one Hugging Face sequence-classification model: the source's lower
         layers (as loaded from disk, unchanged by training) with this critic's top layers, norm and head."""
         full = models.load_scalar_model(source, head_init="value", **load)
-        backbone, layers = stack(full)  # type: ignore[misc]
-        mine, my_layers = stack(self.model)  # type: ignore[misc]
+        backbone, layers = models.stack(full)  # type: ignore[misc]
+        mine, my_layers = models.stack(self.model)  # type: ignore[misc]
         with torch.no_grad():
             for dst, src in zip(list(layers)[-self.n:], my_layers):
                 dst.load_state_dict(src.state_dict())
@@ -117,11 +106,11 @@ def build(source_dir: str | Path, frozen: torch.nn.Module, n: int, *, head_init:
           **load: Any) -> tuple[TrunkCritic, Tap] | None:
     """A TrunkCritic from ``source_dir`` tapping the frozen model ``frozen`` (the same weights, in
     memory), or None when ``n`` covers every layer or the architecture is not supported."""
-    found = stack(frozen)
+    found = models.stack(frozen)
     if n <= 0 or found is None or n >= len(found[1]):
         return None
     scalar = models.load_scalar_model(source_dir, head_init=head_init, **load)  # type: ignore[arg-type]
-    own = stack(scalar)
+    own = models.stack(scalar)
     if own is None or len(own[1]) != len(found[1]):
         return None
     critic = TrunkCritic(scalar, n)

@@ -35,7 +35,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ppolm import alarms, atomic, compare, config, models
+from ppolm import rollout as ro
+from ppolm.compare import ALGORITHMS
+from ppolm.data import encode_prompt
+from ppolm.demo_sizes import FULL, QUICK, Sizes
 from ppolm.errors import PPOLMError
+from ppolm.gold import JUDGE_DESCRIPTION, gold_score, review_prompts
+from ppolm.ppo import train_ppo
+from ppolm.ppo_config import PPOConfig
+from ppolm.ppo_trainer import OUTPUTS
+from ppolm.report import write_report
+from ppolm.reward_train import RewardTrainConfig, _train_reward
+from ppolm.runtime import dtype_of, resolve_device, resolve_precision
+from ppolm.tracking import read_jsonl
 
 RM_DIR = "proxy_rm"  # its name is the proxy's metric name: eval/proxy_rm
 GOLD_METRIC = "eval/gold_judge"
@@ -77,69 +90,8 @@ class DemoConfig:
             raise PPOLMError(f"--threads must be >= 0; got {self.threads}")
         if self.resume and self.overwrite:
             raise PPOLMError("--resume and --overwrite exclude each other; pick one")
-        from ppolm import compare
 
         compare.parse(self.algorithms)
-
-
-@dataclass
-class Sizes:
-    """The knobs that decide the run time; chosen to fit 15 (quick: 4) minutes on 2 CPU cores."""
-
-    train_prompts: int
-    eval_prompts: int
-    rm_eval_fraction: float
-    rm_layers: int
-    rm_epochs: int
-    rm_lr: float
-    policy_layers: int
-    lora_r: int
-    steps: int
-    eval_every: int
-    batch_size: int
-    response_length: int
-    ppo_epochs: int
-    actor_lr: float
-    kl_coef: float
-    kl_target: float
-    label_temperature: float
-    kl_horizon: int = 10
-    """The adaptive KL controller's horizon in updates, and (below) its floor: the demo's measured
-    controller (beta moves by at most 2% per update from 0.02, free to fall), not ``ppolm ppo``'s
-    defaults, which are chosen for 40 updates of 8 rollouts."""
-    kl_coef_min: float = 0.0
-    responses_per_prompt: int = 4
-    """K responses per training prompt, ranked by the labeller: C(K, 2) pairs each (InstructGPT used K = 4..9)."""
-    pair_temperature: float = 1.0
-    """Sampling temperature of the responses to compare (diverse responses make informative comparisons)."""
-    length_penalty: float = 0.0
-    """PPO's length penalty per response token beyond ``length_budget`` (in units of the normalised proxy
-    reward), the seeds' mitigation against length drift. Off: the proxy already prefers short answers
-    (the judge's length term is the part it learns), and with the earlier, sentiment-dominated judge 0.1
-    beyond 20 tokens held the length but left the gold gain at -0.03 ± 0.03 (measured; session notes)."""
-    length_budget: int = 16
-    """Response tokens free of the length penalty (about the judge's 12-word budget)."""
-    minibatches: int = 1
-    """PPO minibatches per epoch (each an optimiser step)."""
-    critic_zero_head: bool = True
-    """The critic starts from the proxy RM with its value head at zero (see PPOConfig.critic_zero_head):
-    with the RM's own head its explained variance stayed at -10 .. -2 and PPO gained nothing in 8 steps
-    (measured; see the session notes)."""
-    rm_batch_prompts: int = 2
-    """Reward-model batch: prompts per step, each with all its C(K, 2) comparisons (``--group-by-prompt``,
-    as InstructGPT trained): every response runs once per epoch instead of K - 1 times."""
-    confirm_samples: int = 4
-    """Fresh responses per held-out prompt with which the best-gold checkpoint and the starting policy are
-    scored again after PPO (the best step was chosen on the in-run evaluations, so those are optimistic)."""
-
-
-FULL = Sizes(train_prompts=48, eval_prompts=32, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=3, rm_lr=3e-4,
-             policy_layers=8, lora_r=16, steps=8, eval_every=2, batch_size=32, minibatches=4, response_length=32,
-             ppo_epochs=2, actor_lr=2e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15, responses_per_prompt=6,
-             length_penalty=0.0)
-QUICK = Sizes(train_prompts=16, eval_prompts=8, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=2, rm_lr=3e-4,
-              policy_layers=4, lora_r=16, steps=3, eval_every=3, batch_size=8, response_length=24, ppo_epochs=2,
-              actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15, confirm_samples=1)
 
 
 def say(msg: str) -> None:
@@ -148,9 +100,7 @@ def say(msg: str) -> None:
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     """Write atomically (temp file + rename), so an interrupted stage never leaves half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(path)
+    atomic.write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def mean_se(xs: list[float]) -> dict[str, float]:
@@ -168,7 +118,6 @@ class Demo:
         self.out = Path(cfg.output_dir)
         base = QUICK if cfg.quick else FULL
         self.sizes = Sizes(**{**asdict(base), **({"steps": cfg.steps} if cfg.steps else {})})
-        from ppolm.runtime import dtype_of, resolve_device, resolve_precision
 
         # one device for every stage, and the precision that is fastest *there* (not bf16 because a
         # GPU exists while the stages compute on the CPU)
@@ -177,7 +126,6 @@ class Demo:
         self.dtype = dtype_of(self.precision)
         self.state: dict[str, Any] = {}
         self.t0 = time.perf_counter()
-        from ppolm import compare
 
         self.algorithms = compare.parse(cfg.algorithms)
         self.others = [a for a in self.algorithms if a != "ppo"]  # the alternatives, each in out/<name>/
@@ -186,7 +134,6 @@ class Demo:
     # ------------------------------------------------------------------------------------
     def prepare(self) -> None:
         """Refuse to mix runs: an existing non-empty dir needs --overwrite or --resume."""
-        from ppolm.ppo import OUTPUTS
 
         out = self.out
         if out.exists() and not out.is_dir():
@@ -207,7 +154,6 @@ class Demo:
             raise PPOLMError(f"--output-dir {out} already exists and holds files; pass --overwrite to replace it, "
                              "--resume to continue it, or choose a new directory")
         elif busy:
-            from ppolm.compare import ALGORITHMS
 
             for name in OWN_FILES + OUTPUTS + ALGORITHMS:
                 p = out / name
@@ -220,9 +166,7 @@ class Demo:
             self.save_state()
 
     def save_state(self) -> None:
-        tmp = self.out / "demo.json.tmp"
-        tmp.write_text(json.dumps(self.state, indent=2), encoding="utf-8")
-        tmp.replace(self.out / "demo.json")
+        atomic.write_text(self.out / "demo.json", json.dumps(self.state, indent=2))
 
     def stage(self, n: int, name: str, fn: Any) -> None:
         if name in self.state["done"]:
@@ -240,8 +184,6 @@ class Demo:
 
     # ------------------------------------------------------------------------------------ stages
     def task(self) -> None:
-        from ppolm.gold import JUDGE_DESCRIPTION, review_prompts
-
         s = self.sizes
         train, held = review_prompts(s.train_prompts, s.eval_prompts, self.cfg.seed)
         write_jsonl(self.out / "prompts_train.jsonl", [{"prompt": p} for p in train])
@@ -255,8 +197,6 @@ class Demo:
     def pairs(self) -> None:
         import torch
 
-        from ppolm import models
-        from ppolm.gold import gold_score
 
         s, cfg = self.sizes, self.cfg
         torch.manual_seed(cfg.seed)
@@ -299,9 +239,6 @@ class Demo:
             f"(Bradley-Terry noise, T={s.label_temperature})")
 
     def reward_model(self) -> None:
-        from ppolm import config
-        from ppolm.reward_train import RewardTrainConfig, _train_reward
-
         s, out = self.sizes, self.out
         cfg = config.build(RewardTrainConfig, dict(
             model=self.cfg.model, data=str(out / "pairs_train.jsonl"), eval_data=str(out / "pairs_eval.jsonl"),
@@ -326,7 +263,6 @@ class Demo:
 
     def lora_targets(self) -> str:
         """LoRA on every linear layer of the top ``policy_layers`` blocks: backward stops there (fast on a CPU)."""
-        from ppolm import models
 
         n = json.loads((models.resolve_model_dir(self.cfg.model) / "config.json").read_text())["num_hidden_layers"]
         mods = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -337,7 +273,6 @@ class Demo:
         """``ppolm ppo`` options of the demo's PPO run, or of an alternative estimator's (its settings
         in :data:`ppolm.compare.SETTINGS`, its outputs in out/<name>/): the same task, budget of
         sampled responses, held-out evaluation, LoRA layers and learning rate."""
-        from ppolm import compare
 
         s = self.sizes
         out = self.out if name == "ppo" else self.out / name
@@ -363,11 +298,6 @@ class Demo:
         return {**options, **compare.SETTINGS.get(name, {})}
 
     def ppo(self) -> None:
-        from ppolm import alarms, config
-        from ppolm.ppo import train_ppo
-        from ppolm.ppo_config import PPOConfig
-        from ppolm.tracking import read_jsonl
-
         s, out = self.sizes, self.out
         options = self.ppo_options()
         proxy = f"eval/{RM_DIR}"
@@ -389,7 +319,6 @@ class Demo:
 
     def alternative(self, name: str) -> None:
         """Train the PPO alternative ``name`` (ppolm/compare.py) in out/<name>/, in a process of its own."""
-        from ppolm import compare
 
         run_dir = self.out / name
         if name != "dpo":
@@ -411,7 +340,6 @@ class Demo:
 
     def train_apart(self, kind: str, options: dict[str, Any], run_dir: Path,
                     evaluation: dict[str, Any] | None = None) -> dict[str, Any]:
-        from ppolm import compare
 
         cost = compare.train_in_child(kind, options, run_dir, self.state.get("threads", 1), evaluation)
         self.state.setdefault("costs", {})[run_dir.name if run_dir != self.out else "ppo"] = cost
@@ -429,8 +357,6 @@ class Demo:
         import torch
         from peft import PeftModel
 
-        from ppolm import models
-        from ppolm.gold import gold_score
 
         adapter = self.out / "best" / "policy_adapter"
         if not adapter.is_dir():
@@ -464,8 +390,6 @@ class Demo:
         memory-bound on a CPU, so 32 sequences cost little more than 8."""
         import torch
 
-        from ppolm import rollout as ro
-        from ppolm.data import encode_prompt
 
         texts: list[str] = []
         bs, t = 32, time.perf_counter()
@@ -490,9 +414,6 @@ class Demo:
         return float((cfg.get("generation") or {}).get("temperature", cfg.get("temperature", 0.7)))
 
     def summarise(self) -> None:
-        from ppolm.report import write_report
-        from ppolm.tracking import read_jsonl
-
         evals = read_jsonl(self.out / "eval.jsonl")
         best = json.loads((self.out / "best.json").read_text()) if (self.out / "best.json").is_file() else None
 
@@ -505,7 +426,6 @@ class Demo:
             gold["best"] = next((at(r) for r in evals if r["step"] == best["step"]), None)
         self.state["gold"] = gold
         if self.others:
-            from ppolm import compare
 
             settings = {"ppo": {}, **{n: compare.SETTINGS.get(n, compare.DPO_SETTINGS if n == "dpo" else {})
                                       for n in self.others}}
@@ -552,7 +472,6 @@ class Demo:
 
     def paired_gold_differences(self, step: int) -> list[float]:
         """Gold score at ``step`` minus before PPO, per held-out prompt (eval_samples.jsonl)."""
-        from ppolm.tracking import read_jsonl
 
         by_step: dict[int, dict[str, float]] = {}
         for r in read_jsonl(self.out / "eval_samples.jsonl"):

@@ -35,7 +35,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from ppolm import core
 from ppolm.errors import PPOLMError
+from ppolm.models import stack
+from ppolm.runtime import resolve_device
 
 T = TypeVar("T")
 
@@ -103,7 +106,6 @@ def init(device_name: str, timeout_s: float) -> torch.device:
     collective waits for a process that stopped answering (a killed rank): the survivors then fail
     instead of hanging. Processes other than 0 stop printing (see :func:`silence_others`).
     """
-    from ppolm.runtime import resolve_device
 
     n = launched_world_size()
     device = resolve_device(device_name)
@@ -215,35 +217,6 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def on_main(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on process 0 only and give its result to every process. A :class:`PPOLMError`
-    it raises is raised on every process (printed once, by process 0)."""
-    if not active():
-        return fn()
-    result: Any = None
-    error = None
-    if is_main():
-        try:
-            result = fn()
-        except PPOLMError as e:
-            error = str(e)
-    result, error = broadcast_object((result, error))
-    if error is not None:
-        raise RankError(error)
-    return result
-
-
-@contextlib.contextmanager
-def main_first() -> Iterator[None]:
-    """Process 0 runs the block first (e.g. filling a cache), then the others: no duplicate work."""
-    if is_main():
-        yield
-        barrier()
-    else:
-        barrier()
-        yield
-
-
 # ------------------------------------------------------------------------ global statistics
 
 def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -262,7 +235,6 @@ def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """:func:`ppolm.core.masked_whiten` with the mean and variance of every process's entries."""
-    from ppolm import core
 
     if not active():
         return core.masked_whiten(x, mask, shift_mean=shift_mean)
@@ -272,7 +244,6 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> float:
     """The unbiased variance of the masked entries of every process (0 with fewer than two)."""
-    from ppolm import core
 
     if not active():
         return core.masked_var(x, mask).item() if mask.sum() > 1 else 0.0
@@ -360,7 +331,6 @@ def fsdp(root: torch.nn.Module, models: Sequence[torch.nn.Module], param_dtype: 
     that FSDP takes ``root`` as its root before any layer runs alone (sampling)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ppolm.critic import stack
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mp_policy": mp} if mp is not None else {}

@@ -28,9 +28,12 @@ from typing import Any, Literal
 
 import torch
 
-from ppolm import core, runtime, sft, trainloop
+from ppolm import core, distributed, models, sft, trainloop
 from ppolm.config_sections import PolicyTrainOptions
 from ppolm.errors import PPOLMError
+from ppolm.pairs import encode_pairs_with_prompts, load_pairs
+from ppolm.rundir import OutputDir
+from ppolm.runtime import resolve_device, resolve_precision, seed_everything
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -83,7 +86,6 @@ PairExamples = tuple[sft.Example, sft.Example]
 
 def load_pair_examples(path: str, tok: Any, chat_template: bool, max_length: int) -> list[PairExamples]:
     """Read, check (one line per problem, as `ppolm reward`) and encode a pairs file."""
-    from ppolm.reward_train import encode_pairs_with_prompts, load_pairs
 
     encoded = encode_pairs_with_prompts(load_pairs(path, margin_column=None), tok, chat_template, max_length, path)
     return [(sft.Example(c, n), sft.Example(r, n)) for n, c, r, _ in encoded]
@@ -167,14 +169,13 @@ def train_dpo(cfg: DPOConfig) -> list[dict[str, Any]]:
 def _train_dpo(cfg: DPOConfig, on_epoch: Any = None) -> tuple[list[dict[str, Any]], bool]:
     """``on_epoch(epoch, model)``, when given, runs before training (epoch 0) and after each epoch,
     on every process (``ppolm demo --algorithms`` scores the policy on held-out prompts there)."""
-    from ppolm import distributed, models
-    from ppolm.runtime import resolve_device, resolve_precision, seed_everything
 
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # 'auto' -> bf16|fp32
-    runtime.prepare_output_dir(out, cfg, "dpo_config.yaml")  # checks only: nothing changes before the inputs load
+    out_dir = OutputDir(out, "dpo_config.yaml")
+    out_dir.check(cfg)  # checks only: nothing changes before the inputs load
     seed_everything(cfg.seed)
     tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     train = load_pair_examples(cfg.data, tok, cfg.chat_template, cfg.max_length)  # type: ignore[arg-type]
@@ -190,7 +191,7 @@ def _train_dpo(cfg: DPOConfig, on_epoch: Any = None) -> tuple[list[dict[str, Any
                                   trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     if cfg.lora_r > 0:
         model = trainloop.apply_lora(model, cfg, "CAUSAL_LM")
-    trainloop.commit_output_dir(out, cfg, "dpo_config.yaml")
+    trainloop.commit_output_dir(out_dir, cfg)
     pad, per_token = tok.pad_token_id, cfg.loss_type == "ipo"
     # The reference's log-probs, once, from the weights as loaded: a resumed run computes them here too,
     # before the checkpoint's weights are put in (TrainLoop.run), so they are the same numbers.

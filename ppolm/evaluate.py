@@ -21,8 +21,16 @@ from typing import Any, Literal
 
 import torch
 
+from ppolm import atomic, core, distributed, models
+from ppolm import rollout as ro
 from ppolm.config_sections import DeviceOptions, ModelLoading
+from ppolm.data import load_prompts
 from ppolm.errors import PPOLMError
+from ppolm.pairs import encode_pairs, load_pairs
+from ppolm.reward_train import evaluate_pairs
+from ppolm.rewards import Rewarder, RewardFunction, RewardModel, function_name, load_reward_fn
+from ppolm.rollout import left_pad
+from ppolm.runtime import resolve_device, resolve_precision, seeded_rng
 
 
 @dataclass
@@ -116,8 +124,6 @@ def _stats(x: torch.Tensor) -> dict[str, float]:
 
 
 def _rewarder(cfg: EvalConfig, dtype: torch.dtype, device: torch.device):
-    from ppolm.rewards import Rewarder, RewardFunction, RewardModel, function_name, load_reward_fn
-
     taken: set[str] = set()
     weights = cfg.reward_fn_weights or [1.0] * len(cfg.reward_fn)
     fns = [RewardFunction(function_name(s, taken), load_reward_fn(s), w) for s, w in zip(cfg.reward_fn, weights)]
@@ -132,10 +138,6 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
 
     Batch b of prompts samples from seed + b, so the results do not depend on how many processes
     share the batches (torchrun: batch b on process b mod N; process 0 writes)."""
-    from ppolm import distributed, models
-    from ppolm import rollout as ro
-    from ppolm.data import load_prompts
-    from ppolm.runtime import resolve_device, resolve_precision, seeded_rng
 
     cfg.validate()
     policies = cfg.policy or [models.EMBEDDED_DEFAULT]
@@ -210,7 +212,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     if distributed.is_main():
         path = Path(cfg.output)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        atomic.write_text(path, json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     distributed.barrier()
     return result
 
@@ -274,10 +276,6 @@ def run_eval(cfg: EvalConfig) -> int:
 @torch.no_grad()
 def reward_eval(cfg: RewardEvalConfig) -> dict[str, Any]:
     """Held-out pairwise accuracy, Bradley-Terry loss and mean score gap of a reward model on a pairs file."""
-    from ppolm.reward_train import encode_pairs, evaluate_pairs, load_pairs
-    from ppolm.rewards import RewardModel
-    from ppolm.rollout import left_pad
-    from ppolm.runtime import resolve_device, resolve_precision
 
     cfg.validate()
     device = resolve_device(cfg.device)
@@ -294,7 +292,7 @@ def reward_eval(cfg: RewardEvalConfig) -> dict[str, Any]:
 
     out = {"reward_model": cfg.reward_model, "data": cfg.data, **evaluate_pairs(score, encoded, cfg.batch_size)}
     if cfg.output:
-        Path(cfg.output).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        atomic.write_text(Path(cfg.output), json.dumps(out, indent=1) + "\n")
     return out
 
 
@@ -312,16 +310,12 @@ def run_reward_eval(cfg: RewardEvalConfig) -> int:
 @torch.no_grad()
 def during_ppo(trainer: Any, updates: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """PPO's held-out evaluation (``--eval-prompts``) after ``updates`` steps of ``trainer`` (a
-    :class:`ppolm.ppo.PPOTrainer`): (metrics, sample rows).
+    :class:`ppolm.ppo_trainer.PPOTrainer`): (metrics, sample rows).
 
     Score the held-out prompts with every training source, the eval-only scorers and the KL
     to the reference. Sampling uses its own seed (:func:`seeded_rng`) so the training RNG stream,
     and hence resume, is unaffected. eval/score is objective/scores' definition (the training
     sources' weighted sum, with the missing-EOS and length penalties); eval/<source> is each raw."""
-    from ppolm import core, distributed
-    from ppolm import rollout as ro
-    from ppolm.rewards import Rewarder
-    from ppolm.runtime import seeded_rng
 
     g, cfg = trainer.cfg.generation, trainer.cfg
     scorer = Rewarder(trainer.rewarder.models, trainer.rewarder.functions + trainer.eval_functions,

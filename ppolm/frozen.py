@@ -27,7 +27,10 @@ from typing import Any
 
 import torch
 
+from ppolm import models
 from ppolm import rollout as ro
+from ppolm import trunk as trunk_lib
+from ppolm.models import scalar_forward
 
 
 @dataclass
@@ -59,8 +62,6 @@ class FrozenModels:
     def __init__(self, policy: torch.nn.Module, reference: torch.nn.Module | None, rewarder: Any, tokenizer: Any, *,
                  temperature: float, device: torch.device, tap: Any = None, critic_from_rm: bool = False,
                  critic_entry: int = 0, share_trunk: bool = True):
-        from ppolm import critic as critic_lib
-        from ppolm import trunk as trunk_lib
 
         self.policy, self.reference, self.rewarder, self.tokenizer = policy, reference, rewarder, tokenizer
         self.temperature, self.device = temperature, device
@@ -83,7 +84,7 @@ class FrozenModels:
                 self.policy_start = trunk_lib.policy_prefix(policy)
             if tap is not None and critic_from_rm and critic_entry < self.rm_start[0]:
                 # the critic's trunk enters a layer the reward model now shares: tap the reference's
-                tap.layer = critic_lib.stack(ref_model)[1][critic_entry]  # type: ignore[index]
+                tap.layer = models.stack(ref_model)[1][critic_entry]  # type: ignore[index]
         self.recorder = (trunk_lib.Recorder(ref_model, set(self.rm_start) | {self.policy_start})
                          if any(self.rm_start) or self.policy_start else None)
 
@@ -166,7 +167,6 @@ class FrozenModels:
     def trunk_hidden(self, roll: ro.Rollout) -> torch.Tensor:
         """The frozen trunk's hidden state for a top-layers critic when no tapped pass ran this step
         (e.g. a reward-model weight of zero): one forward of the frozen model under the tap."""
-        from ppolm.models import scalar_forward
 
         with self.tap.capture():
             if self.critic_from_rm:

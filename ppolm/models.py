@@ -21,16 +21,15 @@ import hashlib
 import importlib.util
 import math
 import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import nn
 
+from ppolm import atomic
 from ppolm.errors import PPOLMError
+from ppolm.runtime import announce
 
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
 EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
@@ -83,28 +82,17 @@ def _quiet_loading(errors_only: bool = False):
 
 @contextlib.contextmanager
 def _atomic_dir(final: Path):
-    """Yield a temp dir next to ``final``; rename it into place on success, delete it on failure."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f".tmp-{final.name}-*"):  # left by a crash over an hour ago
-        if time.time() - stale.stat().st_mtime > 3600:
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    """A cache entry written atomically (:func:`ppolm.atomic.atomic_dir`, shared with other
+    processes); a full disk is one error line that names the cache's setting."""
     try:
-        yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file() and not (final / "tokenizer_config.json").is_file():
-                raise  # otherwise another process finished first: keep theirs
+        with atomic.atomic_dir(final, shared=True) as tmp:
+            yield tmp
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise PPOLMError(
                 f"no space left on device while writing {final}; free some space or set PPOLM_CACHE to another disk"
             ) from e
         raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _status(message: str):
@@ -332,7 +320,6 @@ def load_causal_lm(
     """A causal LM in eval mode, dropout off, pad/eos ids from the (given or loaded) tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    from ppolm.runtime import announce
 
     announce()  # the precision chosen for this run, now that work begins
     path = resolve_model_dir(spec, allow_pickle=allow_pickle)
@@ -360,7 +347,7 @@ def has_scalar_head(path) -> bool:
     return any(k == "score.weight" or k.endswith(".score.weight") for k in _weight_keys(Path(path)))
 
 
-def _init_head(head: nn.Linear, kind: str) -> None:
+def init_head(head: nn.Linear, kind: str) -> None:
     with torch.no_grad():
         if kind == "reward":  # lm-human-preferences: std 1/sqrt(d+1)
             head.weight.normal_(0.0, 1.0 / math.sqrt(head.in_features + 1))
@@ -388,7 +375,6 @@ def load_scalar_model(
 
     if head_init not in ("reward", "value", "keep"):
         raise PPOLMError(f"head_init must be 'reward', 'value' or 'keep', not {head_init!r}")
-    from ppolm.runtime import announce
 
     announce()  # the precision chosen for this run, now that work begins
     path = resolve_model_dir(spec, allow_pickle=allow_pickle)
@@ -407,7 +393,7 @@ def load_scalar_model(
             f"{spec}: the backbone weights do not match the model class (missing {missing[0]}, ...); pass a compatible model"
         )
     if head_init != "keep":
-        _init_head(_unwrap(model).score, head_init)
+        init_head(_unwrap(model).score, head_init)
     resize_embeddings_if_needed(model, tok)
     model.config.num_labels = 1
     disable_dropout(model)
@@ -417,6 +403,17 @@ def load_scalar_model(
 
 def _unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def stack(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList] | None:
+    """(backbone, its decoder layers) of a causal LM or scalar model (through peft), or None when the
+    architecture does not expose ``layers`` and ``norm``."""
+    inner = _unwrap(model)
+    backbone = getattr(inner, inner.base_model_prefix, None)
+    layers = getattr(backbone, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or getattr(backbone, "norm", None) is None:
+        return None
+    return backbone, layers
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -462,52 +459,6 @@ def save_pretrained(model, tokenizer, path) -> None:
                 f"no space left on device while saving to {path}; free some space or save elsewhere"
             ) from e
         raise
-
-
-def build_tiny_model_dir(
-    path,
-    *,
-    kind: Literal["causal", "scalar"] = "causal",
-    seed: int = 0,
-    num_layers: int = 2,
-    hidden_size: int = 64,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate_size: int = 128,
-) -> Path:
-    """Write a tiny random Llama with the real SmolLM2 tokenizer (deterministic for a seed) to ``path``."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
-
-    tok = smollm2_tokenizer()
-    tok.padding_side = "left"
-    ensure_pad_token(tok)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        num_labels=1,
-    )
-    torch.manual_seed(seed)
-    if kind == "causal":
-        model = LlamaForCausalLM(config)
-        model.generation_config = GenerationConfig(
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-        )
-    elif kind == "scalar":
-        model = LlamaForSequenceClassification(config)
-        _init_head(model.score, "reward")
-    else:
-        raise ValueError(f"kind must be 'causal' or 'scalar', not {kind!r}")
-    save_pretrained(model, tok, path)
-    return Path(path)
 
 
 def _logit_transform(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:

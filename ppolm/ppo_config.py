@@ -6,11 +6,13 @@ Defaults are chosen so that the embedded 135M model learns on a laptop CPU withi
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ppolm.config_sections import LoRAOptions, ModelLoading
+from ppolm.distributed import launched_world_size
 from ppolm.errors import FLOAT32_MAX, PPOLMError
 
 GROUP_ESTIMATORS = ("grpo", "dr-grpo", "rloo", "reinforce++-baseline")
@@ -267,7 +269,6 @@ class PPOConfig:
         """Reject impossible combinations with one line each; derived sizes are properties.
         ``world_size``: the number of processes (torchrun) that will share each batch; default: what
         the environment says (WORLD_SIZE)."""
-        from ppolm.distributed import launched_world_size
 
         a, g, k, r = self.algo, self.generation, self.kl, self.reward
         world_size = launched_world_size() if world_size is None else world_size
@@ -375,17 +376,19 @@ class PPOConfig:
         need(not (g.ignore_eos and r.missing_eos_penalty is not None),
              "--missing-eos-penalty with --ignore-eos would penalise every response; drop one of them")
 
-    def resolve(self) -> None:
-        """Replace the "auto" choices by what they mean for this estimator (before the run saves its
-        config.yaml): --samples-per-prompt, --kl-in, --loss-agg and --kl-coef-max."""
-        a, k = self.algo, self.kl
+    def resolve(self) -> PPOConfig:
+        """A copy with the "auto" choices replaced by what they mean for this estimator (what the run
+        saves in its config.yaml): --samples-per-prompt, --kl-in, --loss-agg and --kl-coef-max."""
+        resolved = copy.deepcopy(self)
+        a, k = resolved.algo, resolved.kl
         a.samples_per_prompt = self.group_size
         if k.kl_in == "auto":
             k.kl_in = "loss" if a.advantage in KL_IN_LOSS_ESTIMATORS else "reward"
         if a.loss_agg == "auto":
             a.loss_agg = "seq-mean-token-sum-norm" if a.advantage == "dr-grpo" else "token-mean"
         if k.kl_coef_max is None:
-            k.kl_coef_max = default_kl_coef_max(self)
+            k.kl_coef_max = default_kl_coef_max(resolved)
+        return resolved
 
     @property
     def group_size(self) -> int:
@@ -402,10 +405,6 @@ class PPOConfig:
     @property
     def minibatch_size(self) -> int:
         return self.algo.batch_size // self.algo.minibatches
-
-    @property
-    def microbatch_size(self) -> int:
-        return self.minibatch_size // self.algo.grad_accum
 
 
 def default_kl_coef_max(cfg: PPOConfig) -> float:

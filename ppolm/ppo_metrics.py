@@ -16,15 +16,34 @@ import torch
 
 from ppolm import core, distributed
 from ppolm import rollout as ro
+from ppolm.advantages import Advantages
+from ppolm.ppo_config import PPOConfig
+
+
+class Clock:
+    """When a PPO step began and when each of its phases (rollout, score, train) ended."""
+
+    def __init__(self) -> None:
+        self.marks = [time.perf_counter()]
+
+    def mark(self) -> None:
+        self.marks.append(time.perf_counter())
+
+    @property
+    def times(self) -> tuple[float, float, float, float]:
+        t_start, t_rollout, t_score, t_train = self.marks
+        return t_start, t_rollout, t_score, t_train
 
 
 def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[str, torch.Tensor], *, eos_id: int,
-                 beta: float, adv_var: float, lr: float, critic_lr: float | None, epochs: int, skipped_total: int,
-                 times: tuple[float, float, float, float]) -> dict[str, Any]:
+                 beta: float, adv: Advantages, cfg: PPOConfig, lrs: tuple[float, float | None], epochs: int,
+                 skipped_total: int, times: tuple[float, float, float, float]) -> dict[str, Any]:
     """One PPO iteration's metrics row (names as TRL's PPOTrainer logs them, see docs/details.md);
-    ``stats``: the update's per-microbatch values; ``times``: when the step, and its score and
-    train phases, began and when the update ended. ``critic_lr`` None: no critic, no value metrics."""
+    ``stats``: the update's per-microbatch values; ``adv``: steps 4 and 5's outcome; ``lrs``: the
+    update's learning rates, the actor's and the critic's (None: no critic, no value metrics);
+    ``times``: when the step, and its score and train phases, began and when the update ended."""
     roll, mask = exp.roll, exp.mask
+    lr, critic_lr = lrs
 
     def avg(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else float("nan")
@@ -76,7 +95,7 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
         "val/vf_explained_var": 1.0 - var_res / var_ret if var_ret > 0 else float("nan"),
         "val/num_eos_tokens": g["val/num_eos_tokens"],
         "policy/sampler_logprob_gap": g["policy/sampler_logprob_gap"],
-        "adv/var": adv_var,
+        "adv/var": adv.adv_var,
         "response/length_mean": g["response/length_mean"],
         "lr": lr,
         "lr/critic": critic_lr,
@@ -108,4 +127,11 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
         metrics["policy/update_scale"] = avg(stats["update_scale"])
     for name in parts:
         metrics[name] = g[name]
+    if cfg.algo.advantage == "gae":
+        if cfg.reward.score_scale != "none":
+            metrics["objective/score_scale"] = adv.unit
+        if cfg.reward.score_center != "none":
+            metrics["objective/score_center"] = adv.center
+        metrics["adv/tied"] = float(adv.tied)
+        metrics["adv/unearned"] = float(adv.unearned)
     return metrics

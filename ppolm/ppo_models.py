@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 
+from ppolm import critic as critic_lib
 from ppolm import models
 from ppolm.errors import PPOLMError
 from ppolm.ppo_config import PPOConfig
+from ppolm.reward_train import freeze_lower_layers
+from ppolm.rewards import Rewarder, RewardModel
 
 
 @dataclass
@@ -48,7 +51,6 @@ class PPOModels:
 def build(cfg: PPOConfig, tokenizer: Any, model_dir: Path, functions: list[Any], dtype: torch.dtype,
           device: torch.device) -> PPOModels:
     """Load and set up the four models of ``cfg`` (``functions``: the loaded reward functions)."""
-    from ppolm.rewards import Rewarder, RewardModel
 
     m = cfg.model
     load = dict(dtype=dtype, device=device, trust_remote_code=m.trust_remote_code, allow_pickle=m.allow_pickle)
@@ -116,7 +118,6 @@ def build_critic(built: PPOModels, cfg: PPOConfig, tokenizer: Any, model_dir: Pa
     """4. critic: a separate model (from the RM or the policy), by default only its top layers
     trained on the frozen trunk they share with that model (ppolm/critic.py); or a value head on
     the policy's trunk. Sets the critic fields of ``built``."""
-    from ppolm import critic as critic_lib
 
     m, rms, device = cfg.model, built.rewarder.models, load["device"]
     if m.critic == "shared":
@@ -126,8 +127,6 @@ def build_critic(built: PPOModels, cfg: PPOConfig, tokenizer: Any, model_dir: Pa
         torch.nn.init.zeros_(built.value_head.bias)
         return
     if m.critic_model is not None:  # a trained critic (last round's): kept whole, its top layers trained
-        from ppolm.reward_train import freeze_lower_layers
-
         built.critic_source = (m.critic_model, "keep")
         built.critic = models.load_scalar_model(m.critic_model, head_init="keep", **load)
         freeze_lower_layers(models._unwrap(built.critic), m.critic_layers if m.critic_layers > 0 else -1)

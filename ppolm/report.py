@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppolm import alarms
+from ppolm import alarms, atomic, compare
+from ppolm.config import load_yaml
 from ppolm.errors import PPOLMError
 from ppolm.tracking import read_jsonl
 
@@ -75,7 +76,6 @@ def load_run(run_dir: str | Path) -> Run:
                          "pass the --output-dir of a `ppolm ppo` run")
     cfg: dict[str, Any] = {}
     if (d / "config.yaml").is_file():
-        from ppolm.config import load_yaml
 
         cfg = load_yaml(d / "config.yaml")
     return Run(d, read_jsonl(d / "metrics.jsonl"), read_jsonl(d / "eval.jsonl"), read_jsonl(d / "samples.jsonl"),
@@ -422,7 +422,6 @@ def write_report(run_dir: str | Path) -> Path:
         f"<figcaption>{_e(c)}</figcaption></figure>" for n, (c, p) in plots.items())
     compared = ""
     if run.demo and run.demo.get("comparison"):
-        from ppolm import compare
 
         png = run.dir / "plots" / "algorithms_vs_kl.png"
         compare.plot(run.demo["comparison"], png)
@@ -451,5 +450,5 @@ def write_report(run_dir: str | Path) -> Path:
 {extra}<h2>Config</h2>{config_html(run.config)}
 </body></html>"""
     path = run.dir / "report.html"
-    path.write_text(page, encoding="utf-8")
+    atomic.write_text(path, page)
     return path

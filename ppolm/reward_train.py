@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 import torch
 
-from ppolm import core, models, runtime, sft, trainloop
+from ppolm import atomic, checkpoint, core, critic, distributed, models, prefix, sft, trainloop, trunk
+from ppolm import rollout as ro
 from ppolm.config_sections import (
     HeldOutSplit,
     LoRAOptions,
@@ -34,7 +35,14 @@ from ppolm.config_sections import (
     TextEncoding,
     TrainRunControl,
 )
+from ppolm.data import encode_prompt, load_prompts
 from ppolm.errors import PPOLMError
+from ppolm.models import position_ids_from_mask, scalar_forward
+from ppolm.pairs import encode_pairs, group_keys, load_pairs
+from ppolm.rewards import RewardModel, write_norm
+from ppolm.rollout import left_pad
+from ppolm.rundir import OutputDir
+from ppolm.runtime import resolve_device, resolve_precision, seed_everything
 
 
 @dataclass
@@ -109,99 +117,8 @@ def data_files(cfg: RewardTrainConfig) -> list[str]:
 
 # ------------------------------------------------------------------------------------ pairs
 
-@dataclass
-class Pair:
-    prompt: Any
-    """Prompt text or chat list (what PPO feeds the policy)."""
-    chosen: str
-    rejected: str
-    margin: float = 0.0
-
-
-def _response(x: Any, where: str, col: str) -> tuple[str, list[dict[str, str]]]:
-    """A chosen/rejected cell -> (response text, the conversation before it)."""
-    from ppolm.data import check_messages
-
-    if isinstance(x, list):
-        msgs = check_messages(x, f"{where} '{col}'")
-        if msgs[-1]["role"] != "assistant":
-            raise PPOLMError(f"{where}: '{col}' must end with an assistant turn (the response)")
-        text, prefix = msgs[-1]["content"], msgs[:-1]
-    elif isinstance(x, str):
-        text, prefix = x, []
-    else:
-        raise PPOLMError(f"{where}: '{col}' must be text or a chat-message list; got {type(x).__name__}")
-    if not text.strip():
-        raise PPOLMError(f"{where}: '{col}' is empty; remove the row or fill it in")
-    return text, prefix
-
-
-def load_pairs(path: str, margin_column: str | None = "margin") -> list[Pair]:
-    """Read and check a pairs file; every problem is one line naming the row and the fix."""
-    from ppolm.data import check_messages, read_rows
-
-    pairs = []
-    for i, row in enumerate(read_rows(path, text_column="prompt"), start=1):
-        where = f"{path} row {i}"
-        missing = [c for c in ("chosen", "rejected") if c not in row]
-        if missing:
-            raise PPOLMError(f"{where} has no {' or '.join(repr(c) for c in missing)} column (columns: "
-                             f"{', '.join(map(str, row))}); a pairs file needs 'prompt', 'chosen' and 'rejected'")
-        chosen, pre_c = _response(row["chosen"], where, "chosen")
-        rejected, pre_r = _response(row["rejected"], where, "rejected")
-        prompt = row.get("prompt")
-        if prompt is None:
-            if not pre_c or pre_c != pre_r:
-                raise PPOLMError(f"{where} has no 'prompt' column and 'chosen'/'rejected' are not conversations "
-                                 "with the same user turns; add a 'prompt' column")
-            prompt = pre_c
-        elif isinstance(prompt, list):
-            prompt = check_messages(prompt, where) + pre_c
-        elif not isinstance(prompt, str) or not prompt.strip():
-            raise PPOLMError(f"{where}: 'prompt' must be a non-empty string or a chat-message list")
-        if chosen.strip() == rejected.strip():
-            raise PPOLMError(f"{where}: 'chosen' equals 'rejected', so the pair prefers nothing; "
-                             "remove the row or correct one side")
-        margin = row.get(margin_column) if margin_column else None
-        try:
-            margin = 0.0 if margin is None else float(margin)
-        except (TypeError, ValueError):
-            raise PPOLMError(f"{where}: '{margin_column}' must be a number; got {margin!r}") from None
-        pairs.append(Pair(prompt, chosen, rejected, margin))
-    return pairs
-
-
-def encode_pairs(pairs: list[Pair], tok: Any, chat_template: bool, max_length: int, path: str = "data"):
-    """-> list of (chosen ids, rejected ids, margin), laid out as PPO scores a rollout."""
-    return [(c, r, m) for _, c, r, m in encode_pairs_with_prompts(pairs, tok, chat_template, max_length, path)]
-
-
-def encode_pairs_with_prompts(pairs: list[Pair], tok: Any, chat_template: bool, max_length: int,
-                              path: str = "data") -> list[tuple[int, list[int], list[int], float]]:
-    """-> list of (prompt length, chosen ids, rejected ids, margin): each ids list is the encoded prompt
-    (its first ``prompt length`` ids) then the response and EOS, as :func:`encode_pairs` (``ppolm dpo``
-    needs the prompt length to count the response tokens only)."""
-    from ppolm.data import encode_prompt
-
-    out = []
-    for i, p in enumerate(pairs, start=1):
-        p_ids = encode_prompt(p.prompt, tok, chat_template)
-        where = f"{path} row {i}"
-        out.append((len(p_ids), sft.encode_response(p_ids, p.chosen, tok, max_length, where),
-                    sft.encode_response(p_ids, p.rejected, tok, max_length, where), p.margin))
-    return out
-
-
-def group_keys(pairs: list[Pair]) -> list[int]:
-    """Group number of each pair: pairs with the same prompt (text or chat list) share one."""
-    ids: dict[str, int] = {}
-    return [ids.setdefault(json.dumps(p.prompt, sort_keys=True), len(ids)) for p in pairs]
-
-
 def score_seqs(model: Any, seqs: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
     """Raw head output at the last token of each (left-padded) sequence: (N,) float32."""
-    from ppolm.models import scalar_forward
-    from ppolm.rollout import left_pad
 
     ids, mask = left_pad(seqs, pad_id, device)
     return scalar_forward(model, ids, mask)[:, -1]
@@ -255,11 +172,8 @@ class TrunkCache:
 
     def __init__(self, model: Any, n: int, seqs: list[list[int]], pad_id: int, device: torch.device,
                  precision: str, batch_size: int = 16):
-        from ppolm import critic, prefix
-        from ppolm.models import position_ids_from_mask
-        from ppolm.rollout import left_pad
 
-        backbone, layers = critic.stack(model)  # type: ignore[misc]
+        backbone, layers = models.stack(model)  # type: ignore[misc]
         self.model, self.backbone, self.layers, self.n, self.pad_id = model, backbone, layers, n, pad_id
         self.split = len(layers) - n
         self.device, self.precision = device, precision
@@ -284,9 +198,7 @@ class TrunkCache:
 
     @staticmethod
     def fits(model: Any, n: int, seqs: list[list[int]]) -> bool:
-        from ppolm import critic
-
-        found = critic.stack(model)
+        found = models.stack(model)
         if found is None or n >= len(found[1]):
             return False
         width = model.config.hidden_size * 4
@@ -295,7 +207,6 @@ class TrunkCache:
 
     def scores(self, seqs: list[list[int]]) -> torch.Tensor:
         """Raw head output at the last token of each sequence: (N,) float32, with grad."""
-        from ppolm import trunk
 
         hs = [self.hidden[tuple(x)] for x in seqs]
         head = self.model.score
@@ -321,14 +232,12 @@ def train_reward(cfg: RewardTrainConfig) -> list[dict[str, Any]]:
 
 
 def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
-    from ppolm import checkpoint, distributed, models
-    from ppolm.runtime import resolve_device, resolve_precision, seed_everything
-
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # 'auto' -> bf16|fp32
-    runtime.prepare_output_dir(out, cfg, "reward_config.yaml")  # checks only: nothing changes before the inputs load
+    out_dir = OutputDir(out, "reward_config.yaml")
+    out_dir.check(cfg)  # checks only: nothing changes before the inputs load
     seed_everything(cfg.seed)
     tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     # several files (labelling rounds): a prompt's pairs form one group per file, so that two rounds'
@@ -364,7 +273,7 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     model = trainloop.apply_lora(model, cfg, "SEQ_CLS") if cfg.lora_r > 0 else model
     if cfg.lora_r == 0:
         freeze_lower_layers(model, cfg.train_layers)
-    trainloop.commit_output_dir(out, cfg, "reward_config.yaml")
+    trainloop.commit_output_dir(out_dir, cfg)
     # training items: pairs, or with --group-by-prompt each prompt's pairs (in order of first appearance)
     groups: dict[int, list[int]] = {}
     for i, k in enumerate(keys):
@@ -466,14 +375,12 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
         # held-out split): which pairs it gets wrong, and how sure it is
         chosen, rejected = last_eval["scores"]
         try:
-            tmp = out / "eval_scores.jsonl.tmp"
-            tmp.write_text("".join(json.dumps({"score_chosen": c, "score_rejected": r, "correct": c > r}) + "\n"
-                                   for c, r in zip(chosen, rejected)), encoding="utf-8")
-            tmp.replace(out / "eval_scores.jsonl")
+            atomic.write_text(out / "eval_scores.jsonl", "".join(
+                json.dumps({"score_chosen": c, "score_rejected": r, "correct": c > r}) + "\n"
+                for c, r in zip(chosen, rejected)))
         except OSError as e:
             raise checkpoint.disk_error(e, out) from None
     if cfg.normalize and cfg.norm_source == "pairs":
-        from ppolm.rewards import write_norm
 
         gain, bias, mean, std = fit_norm(raw, f"{len(texts)} responses of the pairs")
         write_norm(out, gain, bias, raw_mean=mean, raw_std=std, n_samples=len(texts), source="pairs")
@@ -499,10 +406,6 @@ def reference_scores(rm: Any, policy: str, prompts: str | list[Any] | None, n_sa
                      chat_template: bool = True, batch_size: int = 8) -> torch.Tensor:
     """Scores by ``rm`` (a :class:`ppolm.rewards.RewardModel`) of ``n_samples`` responses that ``policy``
     samples for ``prompts`` (a file, a list of texts/chat lists, or None for the built-in set): (n,)."""
-    from ppolm import models
-    from ppolm import rollout as ro
-    from ppolm.data import encode_prompt, load_prompts
-
     dev = next(rm.model.parameters()).device
     tok = models.load_tokenizer(policy)
     lm = models.load_causal_lm(policy, dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
@@ -542,8 +445,6 @@ def normalize_reward_model(rm_dir: str | Path, policy: str, prompts: str | list[
                            batch_size: int = 8) -> tuple[float, float]:
     """Fit score = gain * raw + bias to mean 0, std 1 over :func:`reference_scores` of ``policy``;
     write them to ``rm_dir/ppolm_reward.json`` (read by every later scorer) and return (gain, bias)."""
-    from ppolm.rewards import RewardModel, write_norm
-    from ppolm.runtime import resolve_device, resolve_precision
 
     dev = resolve_device(device)
     precision = resolve_precision(precision, dev)

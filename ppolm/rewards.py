@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ppolm import atomic, models, trunk
 from ppolm.errors import PPOLMError
 
 NORM_FILE = "ppolm_reward.json"
@@ -175,7 +176,6 @@ class RewardFunction:
 
 def reward_model_dir(path: str, *, allow_pickle: bool = False) -> Path:
     """The model directory of reward model ``path``, checked to have a scalar head (before any model loads)."""
-    from ppolm import models
 
     found = models.resolve_model_dir(path, allow_pickle=allow_pickle)
     if not models.has_scalar_head(found):
@@ -189,7 +189,6 @@ class RewardModel:
 
     def __init__(self, path: str, *, dtype: torch.dtype, device: str | torch.device,
                  trust_remote_code: bool = False, allow_pickle: bool = False):
-        from ppolm import models
 
         self.name = Path(path).name or str(path)
         self.dir = reward_model_dir(path, allow_pickle=allow_pickle)
@@ -206,7 +205,6 @@ class RewardModel:
         With ``hidden`` (B, T, d), the state entering layer ``start`` that this model shares with the
         reference (ppolm/trunk.py), only layers ``start ..`` run. ``split``: the rows' common beginning,
         run once (ppolm/prefix.py)."""
-        from ppolm import models, trunk
 
         if hidden is None:
             values = models.scalar_forward(self.model, ids, mask, split=split)  # (B, T)
@@ -243,7 +241,7 @@ def read_norm(model_dir: str | Path) -> tuple[float, float]:
 
 
 def write_norm(model_dir: str | Path, gain: float, bias: float, **info: Any) -> None:
-    (Path(model_dir) / NORM_FILE).write_text(json.dumps({"gain": gain, "bias": bias, **info}, indent=2))
+    atomic.write_text(Path(model_dir) / NORM_FILE, json.dumps({"gain": gain, "bias": bias, **info}, indent=2))
 
 
 def ensemble(scores: torch.Tensor, how: str) -> torch.Tensor:

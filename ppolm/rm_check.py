@@ -49,9 +49,13 @@ from typing import Any
 
 import torch
 
-from ppolm import distributed
+from ppolm import distributed, sft
+from ppolm import rollout as ro
+from ppolm.data import encode_prompt
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
+from ppolm.rewards import ensemble
+from ppolm.runtime import seeded_rng
 
 Sampler = Callable[[list[Any]], list[str]]
 """prompts -> one sampled completion (text) per prompt, from the current policy."""
@@ -195,7 +199,7 @@ def onpolicy_check(prompts: Sequence[Any], sampler: Sampler, scorer: Scorer, jud
                    columns: dict[str, list[Any]] | None = None) -> CheckResult:
     """Sample ``n_pairs`` pairs from the current policy, label them with ``judge`` and report how often
     the proxy ``scorer`` agrees (see the module docstring for the steps, the ties and the metrics).
-    ``heldout``: the original held-out pairs (:class:`ppolm.reward_train.Pair`, chosen preferred), for
+    ``heldout``: the original held-out pairs (:class:`ppolm.pairs.Pair`, chosen preferred), for
     ``rm/heldout_accuracy`` beside the on-policy one."""
     t0 = time.perf_counter()
     fresh = sample_pairs(prompts, sampler, judge, n_pairs, rng, columns)
@@ -226,10 +230,6 @@ def reward_model_scorer(rm: Any, *, chat_template: bool = True, max_length: int 
     """A :class:`ppolm.rewards.RewardModel` as a scorer: each prompt and completion laid out as
     ``ppolm reward`` trains on them and PPO scores a rollout (chat-templated prompt, response, EOS),
     tokenised by the reward model's own tokenizer; normalised scores (gain and bias applied)."""
-    from ppolm import sft
-    from ppolm.data import encode_prompt
-    from ppolm.rollout import left_pad
-
     tok = rm.tokenizer
 
     def score(prompts: list[Any], completions: list[str]) -> torch.Tensor:
@@ -238,7 +238,7 @@ def reward_model_scorer(rm: Any, *, chat_template: bool = True, max_length: int 
                 for p, c in zip(prompts, completions)]
         out = []
         for i in range(0, len(seqs), batch_size):
-            ids, mask = left_pad(seqs[i:i + batch_size], tok.pad_token_id, dev)
+            ids, mask = ro.left_pad(seqs[i:i + batch_size], tok.pad_token_id, dev)
             out.append(rm.score_ids(ids, mask).float().cpu())
         return torch.cat(out) if out else torch.zeros(0)
 
@@ -253,10 +253,6 @@ def policy_sampler(policy: Any, tok: Any, *, response_length: int, temperature: 
     samples under its own seed (one draw from ``rng``) and leaves torch's random stream as it found
     it: a check then changes nothing in the run it measures, and ``rng``'s state (in the checkpoint)
     is all a resumed run needs to draw the same answers. Without it, torch's stream is used."""
-    from ppolm import rollout as ro
-    from ppolm.data import encode_prompt
-    from ppolm.runtime import seeded_rng
-
     def draw(prompts: list[Any]) -> list[str]:
         texts: list[str] = []
         for i in range(0, len(prompts), batch_size):
@@ -279,8 +275,6 @@ def policy_sampler(policy: Any, tok: Any, *, response_length: int, temperature: 
 
 def ensemble_scorer(scorers: Sequence[Scorer], rule: str = "mean") -> Scorer:
     """Several members' scores combined as PPO combines an ensemble (:func:`ppolm.rewards.ensemble`)."""
-    from ppolm.rewards import ensemble
-
     def score(prompts: list[Any], completions: list[str]) -> torch.Tensor:
         return ensemble(torch.stack([torch.as_tensor(s(prompts, completions)).float() for s in scorers]), rule)
 

@@ -15,7 +15,7 @@ import torch
 from ppolm import checkpoint, rewards
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
-from ppolm.reward_train import Pair
+from ppolm.pairs import Pair
 from ppolm.rm_check import (
     Sampler,
     ensemble_scorer,

@@ -62,7 +62,8 @@ from ppolm.config_sections import LoRAOptions
 from ppolm.data import encode_prompt
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
-from ppolm.reward_train import Pair, fit_norm, freeze_lower_layers, load_pairs, score_seqs
+from ppolm.pairs import Pair, load_pairs
+from ppolm.reward_train import fit_norm, freeze_lower_layers, score_seqs
 from ppolm.rm_check import FreshPairs, Sampler, agreement, sample_pairs
 from ppolm.runtime import seeded_rng
 

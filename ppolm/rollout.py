@@ -65,7 +65,7 @@ class Rollout:
 @dataclass
 class Experience:
     """One batch of PPO experience: a rollout and everything computed on it before the update
-    (B rows, R response columns; P + R columns in all). Built by :meth:`ppolm.ppo.PPOTrainer.step`
+    (B rows, R response columns; P + R columns in all). Built by :meth:`ppolm.ppo_trainer.PPOTrainer.step`
     (steps 1-5) and read by its update (step 6)."""
 
     roll: Rollout
@@ -91,7 +91,7 @@ class Experience:
     """(B, R) per-token rewards: -beta * kl, plus the score on each response's last real token."""
     advantages: torch.Tensor
     """(B, R) GAE advantages (whitened over the batch when asked), or those of the ``--advantage``
-    estimator (:meth:`ppolm.ppo.PPOTrainer.critic_free_advantages`)."""
+    estimator (:func:`ppolm.advantages.critic_free_advantages`)."""
     returns: torch.Tensor
     """(B, R) value targets: the unwhitened advantages plus the values (the advantages themselves
     without a critic, unused)."""

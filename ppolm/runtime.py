@@ -1,6 +1,6 @@
 """What every command sets up around its training the same way: device and numeric precision,
-seeds and random-number streams, the process (one only; Ctrl-C/SIGTERM; memory handed back), and
-the output directory guard.
+seeds and random-number streams, and the process (Ctrl-C/SIGTERM; memory handed back). (The
+output-directory guard is :mod:`ppolm.rundir`.)
 
 ``--precision auto`` is a speed choice only: bf16 where the hardware computes it natively (CUDA
 with bf16 support; CPUs with AMX or AVX512-BF16), fp32 elsewhere (on a CPU without those
@@ -35,10 +35,8 @@ https://arxiv.org/abs/1710.03740, and as FSDP's ``MixedPrecisionPolicy(param_dty
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -236,6 +234,23 @@ REPEAT_S = 3.0
 """Under torchrun, a signal this soon after the first is the same Ctrl-C delivered twice."""
 
 
+def quiet_libraries() -> None:
+    """Offline, and without the warnings and progress bars of the libraries ppolm drives (also in
+    the processes ppolm spawns: ppolm/compare.py)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub at run time
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.utils.tensorboard")
+    warnings.filterwarnings("ignore", message=".*generation flags are not valid.*")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 _LIBC: Any = None
 
 
@@ -254,145 +269,3 @@ def malloc_trim() -> None:
             _LIBC = False
     if _LIBC:
         _LIBC.malloc_trim(0)
-
-
-# ----------------------------------------------------------------------- the output directory
-# A non-empty --output-dir needs --resume (the same options) or --overwrite. Two flavours: PPO's
-# nested config (ppolm ppo) and the flat configs of ppolm sft, reward and dpo.
-
-RUN_CONTROL = {"resume", "overwrite", "quiet", "epochs", "save_every", "keep_last", "max_skipped_updates",
-               "dist_timeout"}
-"""Options a resumed sft/reward/dpo run may change; every other option must match the run it continues."""
-
-PPO_RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "save_every", "keep_last", "sample_every",
-                   "max_skipped_updates", "dist_timeout"}
-"""The same for ``ppolm ppo`` (options of any section)."""
-
-
-def prepare_output_dir(out: Path, cfg: Any, config_name: str, commit: bool = False) -> None:
-    """Refuse to mix runs (sft, reward, dpo): a non-empty --output-dir needs --resume (same options)
-    or --overwrite.
-
-    Without ``commit`` this only checks: nothing on disk changes, so a bad input found later leaves
-    the directory exactly as it was. ``commit=True``, called once the data and the model have
-    loaded, empties the directory (--overwrite) and creates it.
-    """
-    from ppolm import checkpoint, config
-
-    if out.exists() and not out.is_dir():
-        raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
-    if commit:
-        if cfg.overwrite and out.is_dir():
-            for p in out.iterdir():
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
-        return
-    if out.is_dir() and any(out.iterdir()):
-        if cfg.overwrite:
-            if (out / ".git").exists() or out.resolve() == Path.cwd().resolve() or out.resolve() == Path.home():
-                raise PPOLMError(f"refusing to empty {out} (a repository, the working or home directory); "
-                                 "choose a dedicated --output-dir")
-        elif cfg.resume:
-            saved = out / config_name
-            if not saved.exists():
-                raise PPOLMError(f"--output-dir {out} does not hold a run of this command (no {config_name}); "
-                                 "choose another directory")
-            before = config.load_yaml(saved)
-            check_resumable(out, config_difference(before, config.to_dict(cfg)), cfg.lr_schedule, "epochs",
-                            before.get("epochs") if isinstance(before, dict) else None, cfg.epochs)
-        else:
-            raise PPOLMError(f"--output-dir {out} already holds files; pass --overwrite to replace them, --resume "
-                             "to continue that run, or choose a new directory")
-    checkpoint.check_creatable(out)
-
-
-def check_resumable(out: Path, diff: str, lr_schedule: str, length_option: str, old_length: Any,
-                    new_length: Any) -> None:
-    """Refuse --resume into a run whose config differs (``diff``, the first difference, or ""), or
-    whose length (--steps, --epochs) changed under a linear schedule: that schedule decays over the
-    run's length, so another total would rescale every step's rate."""
-    if diff:
-        raise PPOLMError(f"--output-dir {out} holds a run with a different config ({diff}); resume with "
-                         "the same options, or use --overwrite or a new --output-dir")
-    if lr_schedule == "linear" and old_length is not None and old_length != new_length:
-        raise PPOLMError(f"--{length_option} changed from {old_length} to {new_length} but the linear learning-rate "
-                         f"schedule decays over --{length_option}; resume with --{length_option} {old_length} (a run "
-                         "with --lr-schedule constant can be extended)")
-
-
-def config_difference(saved: Any, now: dict[str, Any]) -> str:
-    """The first option (not a run-control one) whose saved value differs from ``now``; "" if none."""
-    if not isinstance(saved, dict):
-        return f"the saved config is a {type(saved).__name__}, not a mapping"
-    for k, v in now.items():
-        if k not in RUN_CONTROL and saved.get(k, v) != v:
-            return f"{k}: {saved.get(k)!r} then, {v!r} now"
-    return ""
-
-
-def write_config(cfg: Any, path: Path) -> None:
-    """config.save_yaml, atomically (a kill mid-write never leaves a half file for --resume to read)."""
-    from ppolm import config
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    config.save_yaml(cfg, tmp)
-    os.replace(tmp, path)
-
-
-def prepare_ppo_output_dir(out: Path, cfg: Any, outputs: Iterable[str], commit: bool = False) -> None:
-    """Refuse to mix PPO runs: an existing non-empty dir needs --resume (same config) or --overwrite.
-
-    Without ``commit`` this only checks (nothing on disk changes, so a bad input found later leaves
-    the directory as it was); ``commit=True``, called once the first step has succeeded, removes
-    the previous run's ``outputs`` (--overwrite) and creates the directory.
-    """
-    from ppolm import checkpoint, config
-
-    if out.exists() and not out.is_dir():
-        raise PPOLMError(f"--output-dir {out} is a file; choose a directory")
-    if commit:
-        if cfg.run.overwrite and out.is_dir():
-            for name in outputs:
-                p = out / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise PPOLMError(f"cannot create --output-dir {out} ({e.strerror}); choose a writable path") from None
-        return
-    if out.is_dir() and any(out.iterdir()):
-        saved = out / "config.yaml"
-        if cfg.run.overwrite:
-            pass  # replaced at commit, after the first step succeeded
-        elif cfg.run.resume:
-            if not saved.exists():
-                raise PPOLMError(f"--output-dir {out} does not hold a ppolm run (no config.yaml); "
-                                 "choose another directory")
-            before = config.load_yaml(saved)
-            old_steps = (before.get("algo") or {}).get("steps") if isinstance(before, dict) else None
-            check_resumable(out, ppo_config_difference(before, config.to_dict(cfg)), cfg.algo.lr_schedule, "steps",
-                            old_steps, cfg.algo.steps)
-        else:
-            raise PPOLMError(f"--output-dir {out} already holds files; pass --resume to continue that run, "
-                             "--overwrite to replace it, or choose a new directory")
-    checkpoint.check_creatable(out)
-
-
-def ppo_config_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    """First differing option between two nested (PPO) config dicts, ignoring run-control options."""
-    for sec, vals in now.items():
-        if not isinstance(vals, dict):
-            continue
-        for k, v in vals.items():
-            if k in PPO_RUN_CONTROL:
-                continue
-            section = saved.get(sec, {}) if isinstance(saved, dict) else {}
-            old = section.get(k, v) if isinstance(section, dict) else None
-            if (sec, k) == ("kl", "kl_coef_max") and old is None and v is not None:
-                old = math.inf  # a run saved before the ceiling had a default: none meant no ceiling
-            if old != v:
-                return f"{k}: {old!r} then, {v!r} now"
-    return ""

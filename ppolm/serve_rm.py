@@ -32,6 +32,8 @@ from typing import Any, Literal
 
 from ppolm.config_sections import ModelLoading
 from ppolm.errors import PPOLMError
+from ppolm.rewards import RewardModel, reward_model_dir
+from ppolm.runtime import dtype_of, resolve_device, resolve_precision
 
 
 @dataclass
@@ -219,9 +221,6 @@ class RunningServer:
 
 def load(cfg: ServeRMConfig) -> tuple[Any, Callable[[list[str]], list[float]]]:
     """The reward model of ``cfg`` and its scoring function (texts -> normalised scores)."""
-    from ppolm.rewards import RewardModel, reward_model_dir
-    from ppolm.runtime import dtype_of, resolve_device, resolve_precision
-
     cfg.validate()
     reward_model_dir(cfg.reward_model, allow_pickle=cfg.allow_pickle)  # type: ignore[arg-type]
     device = resolve_device(cfg.device)
@@ -241,8 +240,6 @@ def start(cfg: ServeRMConfig) -> RunningServer:
 
 def run(cfg: ServeRMConfig) -> int:
     """``ppolm serve-rm``: serve until Ctrl-C (or SIGTERM)."""
-    from ppolm.rewards import reward_model_dir
-
     cfg.validate()
     reward_model_dir(cfg.reward_model, allow_pickle=cfg.allow_pickle)  # type: ignore[arg-type]
     sock = bind(cfg.host, cfg.port)  # a taken port fails before the model loads

@@ -24,24 +24,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ppolm import checkpoint
+from ppolm import atomic, checkpoint, distributed, models
 from ppolm.config_sections import PolicyTrainOptions
+from ppolm.data import check_messages, encode_prompt, read_rows
 from ppolm.errors import PPOLMError
-from ppolm.runtime import RUN_CONTROL, config_difference, prepare_output_dir, write_config  # noqa: F401  (shared)
-from ppolm.trainloop import (  # noqa: F401  (the loop and helpers shared with reward and dpo, importable here too)
-    Bar,
-    StepFn,
+from ppolm.models import output_logits, position_ids_from_mask
+from ppolm.rollout import backbone
+from ppolm.rundir import OutputDir
+from ppolm.runtime import resolve_device, resolve_precision, seed_everything
+from ppolm.trainloop import (
     TrainLoop,
     apply_lora,
     autocast,
     check_common,
     commit_output_dir,
-    log_epoch,
     make_optimizer,
     parallel,
     saveable,
     split_rows,
-    write_rows,
 )
 
 
@@ -82,7 +82,6 @@ class Example:
 
 def parse_demo(row: dict[str, Any], where: str) -> tuple[Any, str]:
     """A row -> (prompt as text or chat list, response text)."""
-    from ppolm.data import check_messages
 
     if row.get("messages") is not None:
         msgs = check_messages(row["messages"], where)
@@ -118,8 +117,6 @@ def encode_response(prompt_ids: list[int], response: str, tok: Any, max_length: 
 
 
 def load_demos(path: str, tok: Any, chat_template: bool, max_length: int) -> list[Example]:
-    from ppolm.data import encode_prompt, read_rows
-
     out = []
     for i, row in enumerate(read_rows(path, text_column="prompt"), start=1):
         where = f"{path} row {i}"
@@ -152,8 +149,6 @@ def response_logits(model: Any, ids: torch.Tensor, mask: torch.Tensor, loss_mask
     token t + 1), so prompt tokens are never targets and no (B, T, V) logits are materialised.
     The N rows follow ``sel`` in row-major order, so ``sel.nonzero()[:, 0]`` is the sequence of each.
     """
-    from ppolm.models import output_logits, position_ids_from_mask
-    from ppolm.rollout import backbone
 
     hidden = backbone(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                              use_cache=False).last_hidden_state
@@ -192,14 +187,12 @@ def train_sft(cfg: SFTConfig) -> list[dict[str, Any]]:
 
 
 def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
-    from ppolm import distributed, models
-    from ppolm.runtime import resolve_device, resolve_precision, seed_everything
-
     cfg.validate()
     out = Path(cfg.output_dir)
     device = resolve_device(cfg.device)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, device))  # 'auto' -> bf16|fp32
-    prepare_output_dir(out, cfg, "sft_config.yaml")  # checks only: nothing changes before the inputs loaded
+    out_dir = OutputDir(out, "sft_config.yaml")
+    out_dir.check(cfg)  # checks only: nothing changes before the inputs loaded
     seed_everything(cfg.seed)
     tok = models.load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     train = load_demos(cfg.data, tok, cfg.chat_template, cfg.max_length)  # type: ignore[arg-type]
@@ -214,7 +207,7 @@ def _train_sft(cfg: SFTConfig) -> tuple[list[dict[str, Any]], bool]:
                                   trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
     if cfg.lora_r > 0:
         model = apply_lora(model, cfg, "CAUSAL_LM")
-    commit_output_dir(out, cfg, "sft_config.yaml")
+    commit_output_dir(out_dir, cfg)
     forward = parallel(model, cfg, device)  # DDP/FSDP with several processes
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     opt, sched = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg, steps_per_epoch * cfg.epochs)
@@ -257,7 +250,6 @@ def save_model(model: Any, tok: Any, out: Path, merge: bool) -> None:
     a full disk or a permission problem leaves the previous files (and the checkpoints) as they were."""
     from transformers.utils import logging as hf_logging
 
-    from ppolm.models import save_pretrained
 
     hf_logging.disable_progress_bar()  # transformers' "Writing model shards" bar
     bad = checkpoint.first_non_finite(model.named_parameters())
@@ -270,19 +262,14 @@ def save_model(model: Any, tok: Any, out: Path, merge: bool) -> None:
     tmp = out / f".tmp-model-{os.getpid()}"
     try:
         tmp.mkdir()
-        with checkpoint.safetensors_os_errors(tmp):
-            save_pretrained(model, tok, tmp)
+        with atomic.safetensors_os_errors(tmp):
+            models.save_pretrained(model, tok, tmp)
         files = sorted(f for f in tmp.iterdir() if f.is_file())
         for f in files:
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            atomic.fsync_file(f)
         for f in files:
             os.replace(f, out / f.name)
-        fd = os.open(out, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        atomic.fsync_dir(out)
     except OSError as e:
         raise checkpoint.disk_error(e, out, "the final model") from None
     finally:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ppolm import atomic
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -28,9 +29,7 @@ def truncate_rows(path: Path, keep_below_step: int) -> None:
     if not path.exists():
         return
     rows = [r for r in read_jsonl(path) if r.get("step", -1) < keep_below_step]
-    tmp = path.with_suffix(path.suffix + ".tmp")  # atomic: a kill mid-rewrite never loses rows
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))  # a kill mid-rewrite never loses rows
 
 
 def _clean(v: Any) -> Any:

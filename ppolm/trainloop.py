@@ -1,9 +1,10 @@
 """The optimiser loop that ``ppolm sft``, ``ppolm reward`` and ``ppolm dpo`` share, and its helpers.
 
 :class:`TrainLoop` runs epochs of seeded minibatches through a command's step function with the
-non-finite guard, checkpoints, ``--resume`` and Ctrl-C/SIGTERM handling; the helpers are the
-validations, held-out split, optimiser, progress bar, metrics rows and LoRA set-up the three
-commands have in common. (``ppolm ppo`` has its own loop, :meth:`ppolm.ppo.PPOTrainer.train`.)
+non-finite guard, checkpoints, ``--resume`` and Ctrl-C/SIGTERM handling of the scaffold every
+training command shares (ppolm/scaffold.py; ``ppolm ppo`` runs its steps in it too, ppolm/ppo.py);
+the helpers are the validations, held-out split, optimiser, progress bar, metrics rows and LoRA
+set-up the three commands have in common.
 """
 
 from __future__ import annotations
@@ -11,18 +12,17 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ppolm import checkpoint, distributed, runtime
+from ppolm import atomic, checkpoint, distributed, models, runtime, scaffold
 from ppolm.errors import FLOAT32_MAX, PPOLMError
+from ppolm.rundir import OutputDir
 
 
 def check_common(cfg: Any) -> None:
@@ -80,7 +80,6 @@ def saveable(model: Any, cfg: Any, tok: Any, kind: str = "causal") -> Any:
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from ppolm import models
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not distributed.is_main():
@@ -97,16 +96,15 @@ def saveable(model: Any, cfg: Any, tok: Any, kind: str = "causal") -> Any:
     return copy
 
 
-def commit_output_dir(out: Path, cfg: Any, config_name: str) -> None:
+def commit_output_dir(out: OutputDir, cfg: Any) -> None:
     """Once the inputs have loaded: empty (--overwrite) and create --output-dir and write the config,
     on process 0 only."""
     if not distributed.is_main():
         return
-    runtime.prepare_output_dir(out, cfg, config_name, commit=True)
     try:
-        runtime.write_config(cfg, out / config_name)
+        out.commit(cfg)
     except OSError as e:
-        raise checkpoint.disk_error(e, out) from None
+        raise checkpoint.disk_error(e, out.out) from None
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: Any, total_steps: int):
@@ -158,10 +156,7 @@ def write_rows(out: Path, rows: list[dict[str, Any]]) -> None:
     process 0 only, with several."""
     if not distributed.is_main():
         return
-    path = out / "metrics.jsonl"
-    tmp = path.with_name(".metrics.jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def apply_lora(model: Any, cfg: Any, task_type: str) -> Any:
@@ -180,7 +175,7 @@ processes: ppolm/distributed.py)."""
 
 
 class TrainLoop:
-    """The optimiser loop SFT and reward training share, crash-safe like ``ppolm ppo``.
+    """The optimiser loop of sft, reward and dpo, on the shared scaffold (ppolm/scaffold.py).
 
     * data order: one seeded permutation per epoch (drawn in sequence from ``seed``);
     * the non-finite guard: a NaN/inf loss or gradient skips that update (the schedule still
@@ -212,31 +207,23 @@ class TrainLoop:
         self.rows: list[dict[str, Any]] = []
         self.acc: dict[str, Any] = {}
         self.order: list[int] = []
-        self.skipped_total = self.consecutive_skips = 0
-        self.skip_cause = ""
-        self.warned: set[str] = set()
+        self.guard = scaffold.Guard()
 
     # --------------------------------------------------------------------------- state
     def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors = {f"model.{n}": distributed.full(p) for n, p in self.named}
         t_opt, m_opt = checkpoint.optimizer_state(self.opt, "opt")
-        t_rng, m_rng = checkpoint.rng_state(distributed.gather_objects(checkpoint.rng_state()))
+        t_rng, m_rng = scaffold.rng_state()
         tensors.update(t_opt | t_rng)
         mid_epoch = self.step % self.steps_per_epoch != 0
         meta = {"next_step": self.step, "world_size": distributed.world_size(), "epochs_done": self.step // self.steps_per_epoch,
                 "batch_in_epoch": self.step % self.steps_per_epoch, "n_train": self.n_train,
                 "batch_size": self.cfg.batch_size, "order": self.order if mid_epoch else None,
                 "epoch_sums": self.acc if mid_epoch else None, "rows": self.rows, "opt": m_opt,
-                "sched": self.sched.state_dict(), "rng": m_rng, "skipped_total": self.skipped_total,
-                "consecutive_skips": self.consecutive_skips}
+                "sched": self.sched.state_dict(), "rng": m_rng, **self.guard.state_dict()}
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        if int(meta.get("world_size", 1)) != distributed.world_size():
-            raise distributed.RankError(
-                f"the checkpoint was written by {meta.get('world_size', 1)} process(es) and this run has "
-                f"{distributed.world_size()}; resume with the same torchrun --nproc-per-node, or start again "
-                "with --overwrite")
         if meta["n_train"] != self.n_train:
             raise distributed.RankError(f"the training data has {self.n_train} rows now but had {meta['n_train']} when the "
                              "checkpoint was written; resume with the same --data, or start again with --overwrite")
@@ -248,32 +235,12 @@ class TrainLoop:
         checkpoint.set_rng_state(tensors, meta["rng"], distributed.rank())
         self.step, self.rows = meta["next_step"], meta["rows"]
         self.acc, self.order = meta["epoch_sums"] or {}, meta["order"] or []
-        self.skipped_total, self.consecutive_skips = meta["skipped_total"], meta["consecutive_skips"]
-
-    def resume(self) -> None:
-        found = checkpoint.load_latest(self.out / "checkpoints")
-        if not found:
-            print(f"no checkpoint in {self.out}; starting from step 0", file=sys.stderr)
-            return
-        path, tensors, meta = found
-        try:
-            self.load_state(tensors, meta)
-        except (KeyError, RuntimeError, ValueError, TypeError) as e:
-            raise distributed.RankError(f"checkpoint {path} does not match this model or version ({type(e).__name__}: "
-                             f"{str(e)[:120]}); resume with the same options, or start again with --overwrite"
-                             ) from None
-        print(f"resuming from {path} (step {self.step})", file=sys.stderr)
+        self.guard.load_state_dict(meta)
 
     def save_checkpoint(self) -> None:
-        tensors, meta = self.state()  # every process takes part (its random-number state)
-        if distributed.is_main():
-            checkpoint.save(self.out / "checkpoints", self.step, tensors, meta, self.cfg.keep_last)
+        scaffold.save_checkpoint(self.out, self.step, self.state, self.cfg.keep_last)
 
     # --------------------------------------------------------------------------- one update
-    def warn_once(self, key: str, msg: str) -> None:
-        if key not in self.warned:
-            self.warned.add(key)
-            checkpoint.warn(msg)
 
     def update(self, loss: torch.Tensor, scale: float = 1.0) -> float | None:
         """Backward, clip and step; skip the update on a non-finite loss or gradient (on any process:
@@ -292,14 +259,11 @@ class TrainLoop:
                 cause, key = "non-finite gradient", "grad"
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()  # a skipped update still advances the schedule, as an applied one would
+        self.guard.count(int(cause is not None))
         if cause is None:
-            self.consecutive_skips = 0
             return value
-        self.skipped_total += 1
-        self.consecutive_skips += 1
         epoch = self.step // self.steps_per_epoch + 1
-        self.skip_cause = f"update {self.step + 1} (epoch {epoch}): {cause}"
-        self.warn_once(key, f"{self.skip_cause}; update skipped (counted in guard/skipped_updates)")
+        self.guard.skip(f"update {self.step + 1} (epoch {epoch}): {cause}", key)
         return None
 
     def global_sums(self, acc: dict[str, Any]) -> dict[str, Any]:
@@ -322,9 +286,9 @@ class TrainLoop:
     def run(self) -> bool:
         """Train to the end (True) or until Ctrl-C/SIGTERM (False, after saving a checkpoint)."""
         cfg, out = self.cfg, self.out
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        scaffold.allow_skipped_scheduler_steps()
         if cfg.resume:
-            self.resume()
+            scaffold.resume(out, self.load_state)
         bar = None
         with runtime.stop_on_signal() as stop:
             try:
@@ -367,20 +331,16 @@ class TrainLoop:
                     self.acc["time_s"] += time.perf_counter() - t0
                     self.step += 1
                     bar.advance(f"epoch {epochs_done + 1}  loss {loss.item():.3f}")
-                    if self.consecutive_skips >= cfg.max_skipped_updates:
-                        raise PPOLMError(f"{self.consecutive_skips} consecutive updates skipped (last: {self.skip_cause});"
-                                         " lower --lr or use --precision fp32, check the data, then continue from the "
-                                         "last checkpoint with --resume")
-                    bad = checkpoint.first_non_finite(self.named)
-                    if bad:
-                        raise PPOLMError(f"non-finite weights in {bad} after update {self.step}; nothing saved from "
-                                         "it. Lower --lr and continue from the last checkpoint with --resume")
+                    self.guard.check(self.named, cfg.max_skipped_updates, last="", when=f"update {self.step}",
+                                     advice="lower --lr or use --precision fp32, check the data, then continue "
+                                            "from the last checkpoint with --resume",
+                                     weights_advice="Lower --lr and continue from the last checkpoint with --resume")
                     if self.step % self.steps_per_epoch == 0:
                         acc = self.global_sums(self.acc)
                         row = self.epoch_row(epochs_done + 1, acc)
                         row.update(tokens=acc["tokens"], tokens_per_s=acc["tokens"] / max(acc["time_s"], 1e-9),
                                    time_s=acc["time_s"])
-                        row["guard/skipped_updates"] = self.skipped_total
+                        row["guard/skipped_updates"] = self.guard.skipped_total
                         self.rows.append(row)
                         log_epoch(out, row)
                     stopping = distributed.any_flag(stop["requested"], self.device)  # all stop together

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
-from ppolm import critic, models, prefix
+from ppolm import models, prefix
 from ppolm.prefix import SUPPORTED
 
 
 def supported(model: torch.nn.Module) -> bool:
-    return getattr(models._unwrap(model).config, "model_type", None) in SUPPORTED and critic.stack(model) is not None
+    return getattr(models._unwrap(model).config, "model_type", None) in SUPPORTED and models.stack(model) is not None
 
 
 def plain_parameters(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -63,7 +63,7 @@ def shared_prefix(reference: torch.nn.Module, other: torch.nn.Module) -> int:
     embedding differs or the architectures do not match."""
     if not (supported(reference) and supported(other)):
         return 0
-    (rb, rl), (ob, ol) = critic.stack(reference), critic.stack(other)  # type: ignore[misc]
+    (rb, rl), (ob, ol) = models.stack(reference), models.stack(other)  # type: ignore[misc]
     if len(rl) != len(ol) or not same_weights(rb.embed_tokens, ob.embed_tokens):
         return 0
     k = 0
@@ -75,7 +75,7 @@ def shared_prefix(reference: torch.nn.Module, other: torch.nn.Module) -> int:
 def alias(reference: torch.nn.Module, other: torch.nn.Module, k: int) -> int:
     """Make ``other``'s embedding and first ``k`` layers use the reference's parameter tensors (both
     frozen and equal): one copy in memory. Returns the bytes freed."""
-    (rb, rl), (ob, ol) = critic.stack(reference), critic.stack(other)  # type: ignore[misc]
+    (rb, rl), (ob, ol) = models.stack(reference), models.stack(other)  # type: ignore[misc]
     freed = 0
     for mine, theirs in [(ob.embed_tokens, rb.embed_tokens)] + [(ol[i], rl[i]) for i in range(k)]:
         src = plain_parameters(theirs)
@@ -104,7 +104,7 @@ def policy_prefix(policy: torch.nn.Module) -> int:
     its own reference (adapter disabled), so its forward can start from the reference pass's hidden."""
     if not supported(policy):
         return 0
-    backbone, layers = critic.stack(policy)  # type: ignore[misc]
+    backbone, layers = models.stack(policy)  # type: ignore[misc]
     if not is_frozen_plain(backbone.embed_tokens):
         return 0
     k = 0
@@ -118,7 +118,7 @@ class Recorder:
     (index ``L`` = entering the final norm)."""
 
     def __init__(self, model: torch.nn.Module, starts: set[int]):
-        self.backbone, self.layers = critic.stack(model)  # type: ignore[misc]
+        self.backbone, self.layers = models.stack(model)  # type: ignore[misc]
         self.starts = {k for k in starts if 0 < k <= len(self.layers)}
 
     @contextlib.contextmanager
@@ -144,7 +144,7 @@ class Recorder:
 def run_from(model: torch.nn.Module, start: int, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The backbone's last hidden state (after its final norm), running only layers ``start ..`` on
     ``hidden``, the state entering layer ``start``: (B, T, d). Grad flows if enabled."""
-    backbone, _ = critic.stack(model)  # type: ignore[misc]
+    backbone, _ = models.stack(model)  # type: ignore[misc]
     pos = models.position_ids_from_mask(attention_mask)
     with top_layers(backbone, start):
         return backbone(inputs_embeds=hidden, attention_mask=attention_mask, position_ids=pos,

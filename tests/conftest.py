@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppolm.models import build_tiny_model_dir, load_tokenizer
+from ppolm.models import load_tokenizer
+from ppolm.tiny import build_tiny_model_dir
 
 
 @pytest.fixture(scope="session")

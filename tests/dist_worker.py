@@ -23,8 +23,8 @@ def main(spec_path: str) -> None:
     from ppolm import config, distributed
     from ppolm import rollout as ro
     from ppolm.data import Prompt
-    from ppolm.ppo import PPOTrainer
     from ppolm.ppo_config import PPOConfig
+    from ppolm.ppo_trainer import PPOTrainer
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -47,7 +47,7 @@ def main(spec_path: str) -> None:
         if distributed.is_main():
             save_file(tensors, str(out / f"{case['name']}-w{world}.safetensors"))
             (out / f"{case['name']}-w{world}.json").write_text(json.dumps(
-                {"beta": trainer.kl_ctl.value, "metrics": metrics}))
+                {"beta": trainer.state.kl_ctl.value, "metrics": metrics}))
         distributed.barrier()
         del trainer  # (freed here, while the process group is alive)
     distributed.shutdown()

@@ -21,8 +21,8 @@ import pytest
 
 from ppolm import config
 from ppolm.cli import main
-from ppolm.models import build_tiny_model_dir
 from ppolm.ppo_config import PPOConfig
+from ppolm.tiny import build_tiny_model_dir
 
 REWARDS = '''
 def length(prompts, completions, **kwargs):
@@ -437,7 +437,7 @@ def test_sft_and_reward_refuse_a_used_output_dir(inputs, tmp_path, capsys, comma
     previous_run(out)
     before = snapshot(out)
     check_error(main(other_argv(command, inputs, out, {})), capsys.readouterr().err,
-                r"already holds files; pass --overwrite")
+                r"already holds files; pass --resume to continue that run, --overwrite to replace it")
     assert snapshot(out) == before
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from ppolm.cli import main
-from ppolm.models import build_tiny_model_dir
+from ppolm.tiny import build_tiny_model_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import learning  # noqa: E402

@@ -13,8 +13,9 @@ import torch
 
 from ppolm import config, core, models, runtime
 from ppolm import rollout as ro
-from ppolm.ppo import PPOTrainer
+from ppolm.ppo import run as run_ppo
 from ppolm.ppo_config import PPOConfig
+from ppolm.ppo_trainer import PPOTrainer
 
 REWARD = "def words(prompts, completions, **kw):\n    return [min(len(c.split()), 10) / 10 for c in completions]\n"
 
@@ -40,7 +41,7 @@ def test_first_step_kl_is_zero_and_ratio_one_in_bf16(tiny_policy_dir, tiny_rm_di
     assert next(p for p in t.policy.parameters() if not p.requires_grad or not lora).dtype == torch.bfloat16
     if lora:
         assert t.policy_start == 1
-        assert all(p.dtype == torch.float32 for p in t.actor_params)  # adapters train in fp32
+        assert all(p.dtype == torch.float32 for p in t.learner.actor_params)  # adapters train in fp32
     metrics, _ = t.step(0)
     tokens = metrics["response/length_mean"]
     assert abs(metrics["objective/kl"]) / tokens < 1e-3  # per token
@@ -141,7 +142,7 @@ def test_bf16_run_saves_fp32_weights_from_the_masters(tiny_policy_dir, tmp_path,
     from safetensors.torch import load_file
 
     t = trainer(tiny_policy_dir, tmp_path, steps=2, actor_lr=1e-3, critic="shared")
-    t.train()
+    run_ppo(t)
     saved = load_file(str(tmp_path / "run" / "policy" / "model.safetensors"))
     masters = dict(t.trained_parameters())
     w = saved["model.layers.0.mlp.up_proj.weight"]

@@ -10,7 +10,7 @@ import inspect
 import pytest
 import yaml
 
-from ppolm import config, config_sections, runtime
+from ppolm import config, config_sections, rundir
 from ppolm.cli import COMMANDS, build_parser
 from ppolm.dpo import DPOConfig
 from ppolm.reward_train import RewardTrainConfig
@@ -123,7 +123,7 @@ def test_a_flat_config_saved_before_builds_and_resumes(tmp_path):
     now = config.to_dict(cfg)
     # the same flat keys and values, plus the options added since: --resume accepts the run
     assert set(now) == set(saved) | ADDED_KEYS and {k: now[k] for k in saved} == saved
-    assert runtime.config_difference(saved, now) == ""
+    assert rundir.config_difference(saved, now) == ""
     config.save_yaml(cfg, tmp_path / "again.yaml")
     again = yaml.safe_load((tmp_path / "again.yaml").read_text())
     assert {k: again[k] for k in saved} == saved
@@ -172,4 +172,4 @@ def test_ppo_model_section_keeps_its_saved_shape():
     now = config.to_dict(cfg)
     added = {"fsdp": False, "ref_model": None, "critic_model": None}  # options added since, at their defaults
     assert now["model"] == {**saved["model"], **added}  # same nested keys and values
-    assert runtime.ppo_config_difference(saved, now) == ""
+    assert rundir.config_difference(saved, now) == ""

@@ -9,10 +9,11 @@ import torch
 from conftest import uneven_rollout
 from safetensors.torch import load_file
 
-from ppolm import config, critic, models
+from ppolm import config, critic, models, tiny
 from ppolm import rollout as ro
-from ppolm.ppo import PPOTrainer, train_ppo
+from ppolm.ppo import train_ppo
 from ppolm.ppo_config import PPOConfig
+from ppolm.ppo_trainer import PPOTrainer
 from ppolm.rewards import RewardModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def deep_dirs(tmp_path_factory):
     """A 3-layer tiny policy and reward model (so that 1 or 2 top layers leave a shared trunk)."""
     root = tmp_path_factory.mktemp("deep")
-    return (models.build_tiny_model_dir(root / "policy", kind="causal", seed=0, num_layers=3),
-            models.build_tiny_model_dir(root / "rm", kind="scalar", seed=1, num_layers=3))
+    return (tiny.build_tiny_model_dir(root / "policy", kind="causal", seed=0, num_layers=3),
+            tiny.build_tiny_model_dir(root / "rm", kind="scalar", seed=1, num_layers=3))
 
 
 batch = uneven_rollout
@@ -135,7 +136,7 @@ def test_ppo_critic_from_policy_taps_the_reference(deep_dirs, tmp_path, lora_r):
     assert torch.allclose(trainer.tap.hidden, want["h"], atol=1e-6)
     # and the trained policy's own hidden state there differs (the tap is not reading the policy)
     got = {}
-    h = critic.stack(trainer.policy)[1][2].register_forward_pre_hook(lambda m, a: got.setdefault("h", a[0]))
+    h = models.stack(trainer.policy)[1][2].register_forward_pre_hook(lambda m, a: got.setdefault("h", a[0]))
     with torch.no_grad():
         ro.logprobs(trainer.policy, roll, 1.0)
     h.remove()
@@ -164,7 +165,7 @@ def test_critic_starts_as_the_normalised_reward_model(deep_dirs, tmp_path, criti
         else:
             values = models.scalar_forward(trainer.critic, roll.input_ids, roll.attention_mask)
         values = values + trainer.value_bias
-        _, _, window = trainer.forward_train(roll, False, trainer.frozen.trunk_hidden(roll) if trainer.tap else None)
+        _, _, window = trainer.learner.forward_train(roll, False, trainer.frozen.trunk_hidden(roll) if trainer.tap else None)
     last = roll.query.shape[1] + roll.lengths - 1  # the last real token, where the RM reads its score
     assert torch.allclose(values.gather(1, last[:, None]).squeeze(1), want, atol=1e-5)
     p, r = roll.query.shape[1], roll.response.shape[1]
@@ -200,8 +201,8 @@ def test_zero_head_critic_keeps_the_reward_models_layers(deep_dirs, tmp_path, cr
     inner = models._unwrap(trainer.critic.model if trainer.tap is not None else trainer.critic)
     assert torch.count_nonzero(inner.score.weight) == 0
     rm = models.load_scalar_model(rm_dir, head_init="keep")
-    top_rm = critic.stack(rm)[1][-1].mlp.up_proj.weight
-    top_critic = critic.stack(trainer.critic.model if trainer.tap is not None else trainer.critic)[1][-1].mlp.up_proj.weight
+    top_rm = models.stack(rm)[1][-1].mlp.up_proj.weight
+    top_critic = models.stack(trainer.critic.model if trainer.tap is not None else trainer.critic)[1][-1].mlp.up_proj.weight
     assert torch.equal(top_critic, top_rm)  # initialised from the reward model
     m0, _ = trainer.step(0)
     assert m0["val/vf_explained_var"] == pytest.approx(0.0, abs=1e-6)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from ppolm import config, models
+from ppolm import config, models, tiny
 from ppolm.cli import main
 from ppolm.dpo import DPOConfig, load_pair_examples, pair_logps, reference_logps, sequence_logps, train_dpo
 
@@ -137,7 +137,7 @@ def test_dpo_learns_the_marker_and_saves_a_loadable_policy(tiny_policy_dir, tmp_
 
 
 def test_lora_reference_is_the_model_with_the_adapter_disabled(tiny_policy_dir, tmp_path, tokenizer):
-    from ppolm.sft import apply_lora
+    from ppolm.trainloop import apply_lora
 
     data = write_jsonl(tmp_path / "p.jsonl", marker_pairs(4, seed=3))
     pairs = load_pair_examples(str(data), tokenizer, True, 512)
@@ -159,7 +159,7 @@ def test_lora_reference_is_the_model_with_the_adapter_disabled(tiny_policy_dir, 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo_micro")
-    return {"model": models.build_tiny_model_dir(root / "micro", kind="causal", seed=0, num_layers=1, hidden_size=16,
+    return {"model": tiny.build_tiny_model_dir(root / "micro", kind="causal", seed=0, num_layers=1, hidden_size=16,
                                                  heads=2, kv_heads=1, intermediate_size=32),
             "pairs": write_jsonl(root / "pairs.jsonl", marker_pairs(16, seed=4)),
             "held": write_jsonl(root / "held.jsonl", marker_pairs(4, seed=5))}

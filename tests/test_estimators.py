@@ -16,8 +16,10 @@ from safetensors.torch import load_file
 from ppolm import config, core
 from ppolm import rollout as ro
 from ppolm.checkpoint import load_latest
-from ppolm.ppo import PPOTrainer, train_ppo
+from ppolm.ppo import run as run_ppo
+from ppolm.ppo import train_ppo
 from ppolm.ppo_config import PPOConfig
+from ppolm.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -106,7 +108,7 @@ def test_groups_are_adjacent_rows_of_one_prompt(tiny_policy_dir, tmp_path, rewar
         assert all(a is b for a, b in pairs)
         assert len({id(a) for a, _ in pairs}) == 4  # four different prompts
     assert trainer.group_ids().tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    result = trainer.train()
+    result = run_ppo(trainer)
     rows = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     for step in (0, 1):
         prompts = [r["prompt"] for r in rows if r["step"] == step]
@@ -117,13 +119,13 @@ def test_groups_are_adjacent_rows_of_one_prompt(tiny_policy_dir, tmp_path, rewar
 def captured_experience(trainer):
     """Run step 0 and return the Experience its update received."""
     seen = {}
-    update = trainer.update
+    update = trainer.learner.update
 
     def spy(exp, *args, **kwargs):
         seen["exp"] = exp
         return update(exp, *args, **kwargs)
 
-    trainer.update = spy
+    trainer.learner.update = spy
     trainer.step(0)
     return seen["exp"]
 
@@ -132,13 +134,15 @@ def captured_experience(trainer):
 def test_step_advantages_are_the_core_function_of_its_scores(tiny_policy_dir, tmp_path, reward_file, advantage):
     cfg = make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, advantage=advantage, samples_per_prompt=2,
                    batch_size=8, minibatches=1, response_length=12)
-    exp = captured_experience(PPOTrainer(cfg))
+    trainer = PPOTrainer(cfg)
+    exp = captured_experience(trainer)
     gid = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
     want = {"grpo": lambda s: core.grpo_advantages(s, gid), "dr-grpo": lambda s: core.grpo_advantages(s, gid, scale=False),
             "rloo": lambda s: core.rloo_advantages(s, gid)}[advantage](exp.scores)
     torch.testing.assert_close(exp.advantages, want.float()[:, None] * exp.mask)
     # the KL is in the loss (k3), not in the reward
-    assert cfg.kl.kl_in == "loss" and torch.equal(exp.rewards.sum(1), exp.scores.float())
+    assert trainer.cfg.kl.kl_in == "loss" and torch.equal(exp.rewards.sum(1), exp.scores.float())
+    assert cfg.kl.kl_in == "auto"  # resolve() gave the trainer a resolved copy; the caller's config is as it was
 
 
 def test_reinforce_pp_advantages(tiny_policy_dir, tmp_path, reward_file):
@@ -222,8 +226,8 @@ def test_critic_free_with_lora_or_critic_shared_and_eval(tiny_policy_dir, tmp_pa
         cfg = make_cfg(tiny_policy_dir, out, reward_file, advantage="reinforce++-baseline", samples_per_prompt=2,
                        eval_prompts=str(evals), eval_every=1, **over)
         trainer = PPOTrainer(cfg)
-        assert trainer.critic is None and trainer.value_head is None and trainer.critic_opt is None
-        result = trainer.train()
+        assert trainer.critic is None and trainer.value_head is None and trainer.learner.critic_opt is None
+        result = run_ppo(trainer)
         assert len(result.metrics) == 2 and (out / "eval.jsonl").is_file()
         assert not (out / "critic").exists()
     assert (tmp_path / "run0" / "policy_adapter").is_dir()
@@ -235,7 +239,7 @@ def test_group_estimators_default_to_groups_of_four(tiny_policy_dir, tmp_path, r
     for advantage, want in (("grpo", 4), ("rloo", 4), ("reinforce++-baseline", 4), ("gae", 1), ("remax", 1)):
         cfg = config.build(PPOConfig, {"advantage": advantage, "reward_fn": ["x.py:f"], "batch_size": 8})
         cfg.validate()
-        cfg.resolve()
+        cfg = cfg.resolve()
         assert cfg.algo.samples_per_prompt == want, advantage
     out = tmp_path / "run"
     train_ppo(make_cfg(tiny_policy_dir, out, reward_file, advantage="grpo", batch_size=8, minibatches=1, steps=1))

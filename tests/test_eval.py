@@ -13,7 +13,7 @@ import pytest
 from ppolm import config
 from ppolm.cli import main
 from ppolm.evaluate import EvalConfig, distinct_n, evaluate
-from ppolm.models import build_tiny_model_dir
+from ppolm.tiny import build_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -14,7 +14,6 @@ from torch import nn
 from ppolm.errors import PPOLMError
 from ppolm.models import (
     EMBEDDED_DEFAULT,
-    build_tiny_model_dir,
     cache_dir,
     disable_dropout,
     ensure_pad_token,
@@ -28,6 +27,7 @@ from ppolm.models import (
     save_pretrained,
     scalar_forward,
 )
+from ppolm.tiny import build_tiny_model_dir
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

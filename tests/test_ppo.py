@@ -13,8 +13,10 @@ from safetensors.torch import load_file
 from ppolm import config, core
 from ppolm import rollout as ro
 from ppolm.errors import PPOLMError
-from ppolm.ppo import PPOTrainer, train_ppo
+from ppolm.ppo import held_out, train_ppo
+from ppolm.ppo import run as run_ppo
 from ppolm.ppo_config import PPOConfig
+from ppolm.ppo_trainer import PPOTrainer
 
 REWARD_FILE = '''
 def words(prompts, completions, **kwargs):
@@ -214,16 +216,92 @@ def test_missing_eos_and_length_penalties(tiny_policy_dir, tmp_path, reward_file
         make_cfg(tiny_policy_dir, tmp_path / "run2", reward_file, ignore_eos=True, missing_eos_penalty=-1.0)
 
 
-def test_lora_shared_and_kl_in_loss_variants(tiny_policy_dir, tmp_path, reward_file):
-    for i, over in enumerate([dict(lora_r=4), dict(critic="shared", kl_in="loss", kl_estimator="k3",
-                                                   entropy_coef=0.01, adaptive_kl=False, whiten_rewards=True)]):
-        out = tmp_path / f"run{i}"
-        result = train_ppo(make_cfg(tiny_policy_dir, out, reward_file, **over))
-        assert all(math.isfinite(r["loss/policy_avg"]) for r in result.metrics)
-        assert (out / "policy" / "model.safetensors").is_file()
-    assert (tmp_path / "run0" / "policy_adapter" / "adapter_config.json").is_file()
-    assert (tmp_path / "run1" / "critic" / "value_head.safetensors").is_file()
-    assert result.metrics[1]["objective/kl_coef"] == result.metrics[0]["objective/kl_coef"]  # fixed beta
+def experiences(trainer, steps):
+    """Run ``steps`` steps and return the Experience each update received."""
+    seen = []
+    update = trainer.learner.update
+
+    def spy(exp, *args, **kwargs):
+        seen.append(exp)
+        return update(exp, *args, **kwargs)
+
+    trainer.learner.update = spy
+    for step in range(steps):
+        trainer.step(step)
+    return seen
+
+
+def test_lora_trains_only_the_adapters(tiny_policy_dir, tiny_rm_dir, tmp_path, reward_file):
+    out = tmp_path / "run"
+    trainer = PPOTrainer(make_cfg(tiny_policy_dir, out, reward_file, lora_r=4, steps=1,
+                                  reward_model=[str(tiny_rm_dir)]))
+    names = [n for n, _ in trainer.trained_parameters() if n.startswith("policy.")]
+    assert names and all("lora_" in n for n in names)
+    before = {n: p.detach().clone() for n, p in trainer.trained_parameters()}
+    trainer.step(0)
+    assert any(not torch.equal(before[n], p) for n, p in trainer.trained_parameters() if n.startswith("policy."))
+    run_ppo(trainer)
+    assert (out / "policy_adapter" / "adapter_config.json").is_file() and (out / "policy" / "model.safetensors").is_file()
+
+
+def test_shared_critic_is_a_value_head_on_the_policy(tiny_policy_dir, tmp_path, reward_file):
+    out = tmp_path / "run"
+    trainer = PPOTrainer(make_cfg(tiny_policy_dir, out, reward_file, critic="shared", steps=1))
+    assert trainer.critic is None and trainer.value_head is not None
+    assert [n for n, _ in trainer.trained_parameters() if n.startswith("critic.")] == ["critic.weight", "critic.bias"]
+    run_ppo(trainer)
+    assert (out / "critic" / "value_head.safetensors").is_file() and not (out / "critic" / "config.json").exists()
+
+
+def test_kl_in_loss_leaves_the_kl_out_of_the_rewards(tiny_policy_dir, tmp_path, reward_file):
+    """Step 1 (the policy has moved: KL > 0): with --kl-in reward every token but the last carries
+    -beta * KL; with --kl-in loss none does (the KL is a term of the loss instead)."""
+    def before_last(kl_in):
+        cfg = make_cfg(tiny_policy_dir, tmp_path / kl_in, reward_file, kl_in=kl_in, actor_lr=1e-2, steps=2)
+        exp = experiences(PPOTrainer(cfg), 2)[1]
+        last = torch.zeros_like(exp.mask).scatter_(1, (exp.roll.lengths - 1).clamp(min=0)[:, None], 1.0)
+        return float((exp.rewards * exp.mask * (1 - last)).abs().sum()), float(exp.kl.abs().sum())
+
+    in_reward, kl = before_last("reward")
+    assert kl > 0 and in_reward > 0
+    assert before_last("loss")[0] == 0.0
+
+
+def test_kl_estimator_k3_is_what_the_experience_holds(tiny_policy_dir, tmp_path, reward_file):
+    cfg = make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, kl_estimator="k3", actor_lr=1e-2, steps=2)
+    exp = experiences(PPOTrainer(cfg), 2)[1]
+    want = core.kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k3") * exp.mask
+    k1 = core.kl_penalty(exp.old_logprobs, exp.ref_logprobs, "k1") * exp.mask
+    assert torch.equal(exp.kl, want) and not torch.allclose(exp.kl, k1)
+
+
+def test_entropy_bonus_changes_the_update(tiny_policy_dir, tmp_path, reward_file):
+    def weights(entropy_coef):
+        trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / f"e{entropy_coef}", reward_file,
+                                      entropy_coef=entropy_coef, steps=1))
+        trainer.step(0)
+        return [p.detach().clone() for p in trainer.learner.actor_params]
+
+    plain, bonus = weights(0.0), weights(0.5)
+    assert any(not torch.equal(a, b) for a, b in zip(plain, bonus))
+
+
+def test_fixed_kl_coefficient_stays_put(tiny_policy_dir, tmp_path, reward_file):
+    """A KL above a tiny target moves an adaptive beta (test_adaptive_kl_moves_beta); a fixed one stays."""
+    rows = train_ppo(make_cfg(tiny_policy_dir, tmp_path / "run", reward_file, adaptive_kl=False, kl_target=1e-9,
+                              steps=3)).metrics
+    assert rows[2]["objective/kl"] > 0
+    assert [r["objective/kl_coef"] for r in rows] == [0.01, 0.01, 0.01]
+
+
+def test_whiten_rewards_divides_the_rewards_by_their_std(tiny_policy_dir, tmp_path, reward_file):
+    def rewards(whiten):
+        cfg = make_cfg(tiny_policy_dir, tmp_path / str(whiten), reward_file, whiten_rewards=whiten, steps=1)
+        return experiences(PPOTrainer(cfg), 1)[0]
+
+    plain, whitened = rewards(False), rewards(True)
+    torch.testing.assert_close(whitened.rewards, core.masked_whiten(plain.rewards, plain.mask, shift_mean=False))
+    assert not torch.allclose(whitened.rewards, plain.rewards)
 
 
 def test_adaptive_kl_moves_beta(tiny_policy_dir, tmp_path, reward_file):
@@ -276,7 +354,7 @@ def test_default_kl_coef_max_is_the_target_penalty_over_the_target(options, want
     start and floor; no ceiling (inf) otherwise."""
     cfg = config.build(PPOConfig, {"reward_fn": ["x.py:f"], **options})
     cfg.validate()
-    cfg.resolve()
+    cfg = cfg.resolve()
     assert cfg.kl.kl_coef_max == pytest.approx(want)
 
 
@@ -344,8 +422,8 @@ def test_tied_scores_skip_holds_the_policy_between_signals(tiny_policy_dir, tmp_
         cfg = make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=steps, tied_scores=tied,
                        reward_fn=[f"{reward_file}:once"])
         trainer = PPOTrainer(cfg)
-        rows = trainer.train().metrics
-        state = trainer.actor_opt.state[trainer.actor_params[0]]
+        rows = run_ppo(trainer).metrics
+        state = trainer.learner.actor_opt.state[trainer.learner.actor_params[0]]
         return rows, load_file(str(tmp_path / name / "policy" / "model.safetensors")), \
             load_file(str(tmp_path / name / "critic" / "model.safetensors")), int(state["step"])
 
@@ -369,7 +447,7 @@ def test_grad_norms_are_logged_before_clipping(tiny_policy_dir, tmp_path, reward
         cfg = make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=1, max_grad_norm=max_norm)
         trainer = PPOTrainer(cfg)
         seen: dict[str, list[float]] = {"policy": [], "critic": []}
-        for key, opt in (("policy", trainer.actor_opt), ("critic", trainer.critic_opt)):
+        for key, opt in (("policy", trainer.learner.actor_opt), ("critic", trainer.learner.critic_opt)):
             def hook(o, args, kwargs, key=key):
                 grads = [p.grad.double() for group in o.param_groups for p in group["params"] if p.grad is not None]
                 seen[key].append(float(torch.sqrt(sum((g * g).sum() for g in grads))))
@@ -394,16 +472,16 @@ def test_critic_adam_eps_sets_the_critic_optimiser_only(tiny_policy_dir, tiny_rm
     non-positive epsilon is refused before any model loads."""
     cfg = make_cfg(tiny_policy_dir, tmp_path / "a", reward_file, reward_model=[str(tiny_rm_dir)])
     trainer = PPOTrainer(cfg)
-    assert [g["eps"] for g in trainer.actor_opt.param_groups] == [1e-5]
-    assert [g["eps"] for g in trainer.critic_opt.param_groups] == [1e-8]
+    assert [g["eps"] for g in trainer.learner.actor_opt.param_groups] == [1e-5]
+    assert [g["eps"] for g in trainer.learner.critic_opt.param_groups] == [1e-8]
     # ... beside their own learning rates (--actor-lr 2e-5, --critic-lr 1e-4)
-    assert [g["lr"] for g in trainer.actor_opt.param_groups] == [2e-5]
-    assert [g["lr"] for g in trainer.critic_opt.param_groups] == [1e-4]
+    assert [g["lr"] for g in trainer.learner.actor_opt.param_groups] == [2e-5]
+    assert [g["lr"] for g in trainer.learner.critic_opt.param_groups] == [1e-4]
     cfg = make_cfg(tiny_policy_dir, tmp_path / "b", reward_file, reward_model=[str(tiny_rm_dir)],
                    critic_adam_eps=None, adam_eps=1e-6)
     trainer = PPOTrainer(cfg)
-    assert [g["eps"] for g in trainer.actor_opt.param_groups] == [1e-6]
-    assert [g["eps"] for g in trainer.critic_opt.param_groups] == [1e-6]
+    assert [g["eps"] for g in trainer.learner.actor_opt.param_groups] == [1e-6]
+    assert [g["eps"] for g in trainer.learner.critic_opt.param_groups] == [1e-6]
     with pytest.raises(PPOLMError, match="--critic-adam-eps must be > 0"):
         make_cfg(tiny_policy_dir, tmp_path / "c", reward_file, critic_adam_eps=0.0)
 
@@ -412,11 +490,11 @@ def test_actor_adam_beta1_sets_the_policy_optimiser_only(tiny_policy_dir, tiny_r
     """--actor-adam-beta1 sets the policy's Adam beta1 (default 0.9, PyTorch's); the critic keeps
     (0.9, 0.999); outside [0, 1) it is refused before any model loads."""
     trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / "a", reward_file, reward_model=[str(tiny_rm_dir)]))
-    assert [g["betas"] for g in trainer.actor_opt.param_groups] == [(0.9, 0.999)]
+    assert [g["betas"] for g in trainer.learner.actor_opt.param_groups] == [(0.9, 0.999)]
     trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / "b", reward_file, reward_model=[str(tiny_rm_dir)],
                                   actor_adam_beta1=0.0))
-    assert [g["betas"] for g in trainer.actor_opt.param_groups] == [(0.0, 0.999)]
-    assert [g["betas"] for g in trainer.critic_opt.param_groups] == [(0.9, 0.999)]
+    assert [g["betas"] for g in trainer.learner.actor_opt.param_groups] == [(0.0, 0.999)]
+    assert [g["betas"] for g in trainer.learner.critic_opt.param_groups] == [(0.9, 0.999)]
     for bad in (1.0, -0.1):
         with pytest.raises(PPOLMError, match="--actor-adam-beta1 must be in"):
             make_cfg(tiny_policy_dir, tmp_path / "c", reward_file, actor_adam_beta1=bad)
@@ -483,11 +561,11 @@ def test_the_score_unit_follows_the_spread_within_batches_not_the_climb(tiny_pol
     shrink the differences between answers below the KL penalty."""
     trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / "climb", reward_file, steps=3,
                                   reward_fn=[f"{reward_file}:climbing"]))
-    rows = trainer.train().metrics
+    rows = run_ppo(trainer).metrics
     assert [r["objective/scores"] for r in rows] == pytest.approx([-97.0, -47.0, 3.0])
     assert [r["objective/score_scale"] for r in rows] == pytest.approx([math.sqrt(5) / 0.5] * 3, rel=1e-9)
     close_std = math.sqrt(((-97.0 + 47.0) ** 2 + 0.0 + (3.0 + 47.0) ** 2) / 3 + 5.0)  # between + within
-    assert trainer.score_scale.std == pytest.approx(close_std, rel=1e-9) and close_std > 40
+    assert trainer.state.score_scale.std == pytest.approx(close_std, rel=1e-9) and close_std > 40
 
 
 def test_centered_scores_make_ppo_independent_of_the_reward_offset(tiny_policy_dir, tmp_path, reward_file):
@@ -499,9 +577,9 @@ def test_centered_scores_make_ppo_independent_of_the_reward_offset(tiny_policy_d
         fns = [f"{reward_file}:words"] + ([f"{reward_file}:minus_three"] if offset else [])
         trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=3, reward_fn=fns,
                                       score_center=center))
-        rows = trainer.train().metrics
+        rows = run_ppo(trainer).metrics
         steps_mean = sum(r["objective/scores"] for r in rows) / len(rows)  # equal batches: mean of means
-        assert trainer.score_scale.mean == pytest.approx(steps_mean, rel=1e-6)
+        assert trainer.state.score_scale.mean == pytest.approx(steps_mean, rel=1e-6)
         return load_file(str(tmp_path / name / "policy" / "model.safetensors")), rows
 
     def worst(a: dict, b: dict) -> float:
@@ -525,7 +603,7 @@ def test_default_score_center_brings_any_large_offset_to_the_same_edge(tiny_poli
         trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=3,
                                       reward_fn=[f"{reward_file}:words", f"{reward_file}:{offset}"],
                                       **({} if center == "default" else {"score_center": center})))
-        rows = trainer.train().metrics
+        rows = run_ppo(trainer).metrics
         return trainer, load_file(str(tmp_path / name / "policy" / "model.safetensors")), rows
 
     def worst(a: dict, b: dict) -> float:
@@ -537,7 +615,7 @@ def test_default_score_center_brings_any_large_offset_to_the_same_edge(tiny_poli
                                                                       abs=1e-5)
     assert worst(p3, p6) < 1e-5
     for t, rows in ((t3, rows3), (t6, rows6)):
-        mean, std = t.score_scale.mean, t.score_scale.std
+        mean, std = t.state.score_scale.mean, t.state.score_scale.std
         assert mean < -2 and 0 < std < 0.5
         assert rows[-1]["objective/score_center"] == pytest.approx(mean + 2 * std, rel=1e-9)
     assert rows6[-1]["objective/score_center"] == pytest.approx(rows3[-1]["objective/score_center"] - 3, abs=1e-6)
@@ -564,11 +642,11 @@ def test_a_critic_that_keeps_the_reward_models_head_meets_the_scores_in_their_un
     def run(name: str, **over) -> tuple[PPOTrainer, list[dict]]:
         trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=1, ppo_epochs=1,
                                       minibatches=1, reward_model=[str(rm)], **over))
-        return trainer, trainer.train().metrics
+        return trainer, run_ppo(trainer).metrics
 
     kept, rows = run("kept")
     assert kept.critic_in_score_units and kept.cfg.reward.score_center == "auto"
-    mean, std = kept.score_scale.mean, kept.score_scale.std
+    mean, std = kept.state.score_scale.mean, kept.state.score_scale.std
     assert rows[0]["objective/score_center"] == pytest.approx(mean - 2 * std, rel=1e-9) and mean > 45
     unit = rows[0]["objective/score_scale"]
     assert unit > 10
@@ -587,14 +665,53 @@ def test_ptx_mix_and_target_kl(tiny_policy_dir, tmp_path, reward_file):
     assert row["loss/ptx_avg"] > 0 and row["ppo/epochs"] == 1  # stopped after the first epoch
 
 
+def test_ptx_draws_leave_the_minibatch_shuffles_as_they_were(tiny_policy_dir, tmp_path, reward_file, monkeypatch):
+    """The PPO-ptx microbatches come from their own generator: with --ptx-coef on, every shuffle of
+    the minibatches (both epochs') is the one the run without it draws."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog.\nA stitch in time saves nine.\n")
+    real = torch.randperm
+
+    def shuffles(**over):
+        drawn = []
+
+        def recording(*args, **kwargs):
+            drawn.append(real(*args, **kwargs))
+            return drawn[-1]
+
+        monkeypatch.setattr(torch, "randperm", recording)
+        cfg = make_cfg(tiny_policy_dir, tmp_path / str(len(over)), reward_file, steps=1, ppo_epochs=2, **over)
+        metrics, _ = PPOTrainer(cfg).step(0)
+        monkeypatch.setattr(torch, "randperm", real)
+        return drawn, metrics
+
+    plain, _ = shuffles()
+    mixed, metrics = shuffles(ptx_coef=0.5, ptx_data=str(corpus))
+    assert metrics["loss/ptx_avg"] > 0 and len(plain) >= 2
+    assert len(mixed) == len(plain) and all(torch.equal(a, b) for a, b in zip(plain, mixed))
+
+
+def test_a_non_finite_reward_names_its_source():
+    from ppolm.ppo_trainer import non_finite_cause
+
+    nan, inf = float("nan"), float("inf")
+    parts = {"reward/words": torch.tensor([1.0, nan]), "reward/rm": torch.tensor([0.5, 0.5])}
+    assert non_finite_cause(parts, torch.tensor([1.5, nan])) == "non-finite reward (NaN/inf) from words"
+    # every source finite, the penalised score not (a penalty overflowed): the penalties
+    finite = {"reward/words": torch.tensor([-3e38, 1.0])}
+    assert non_finite_cause(finite, torch.tensor([-inf, 1.0])) == "non-finite reward (NaN/inf) from penalties"
+    # this process's scores all finite: another process's reward stopped the update
+    assert non_finite_cause(finite, torch.tensor([1.0, 1.0])) == "non-finite reward (NaN/inf) from another process's reward"
+
+
 def test_update_kl_max_shrinks_the_step_by_the_root_of_the_kl_ratio(tiny_policy_dir, tmp_path, reward_file):
     """--update-kl-max: the update's measured k2 is logged; a limit above it leaves the step as it is,
     a limit of a quarter of it halves the step, sqrt((K / 4) / K), weight for weight."""
     def one_update(limit, name):
         trainer = PPOTrainer(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=1, update_kl_max=limit))
-        before = [p.detach().clone() for p in trainer.actor_params]
+        before = [p.detach().clone() for p in trainer.learner.actor_params]
         metrics, _ = trainer.step(0)
-        return metrics, [p.detach() - b for p, b in zip(trainer.actor_params, before)]
+        return metrics, [p.detach() - b for p, b in zip(trainer.learner.actor_params, before)]
 
     free, free_delta = one_update(None, "free")
     assert "policy/update_kl" not in free
@@ -662,7 +779,7 @@ def test_heldout_eval_with_eval_only_scorer_and_best_checkpoint(tiny_policy_dir,
 
 
 def test_rng_devices_are_the_device_in_use():
-    from ppolm.ppo import rng_devices
+    from ppolm.runtime import rng_devices
 
     assert rng_devices(torch.device("cpu")) == []
     assert rng_devices(torch.device("cuda", 1)) == [1]
@@ -672,7 +789,7 @@ def test_rng_devices_are_the_device_in_use():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_seeded_rng_restores_the_cuda_generator():
-    from ppolm.ppo import seeded_rng
+    from ppolm.runtime import seeded_rng
 
     dev = torch.device("cuda")
     before = torch.cuda.get_rng_state(dev)
@@ -695,11 +812,11 @@ def test_heldout_eval_restores_every_generator_it_seeds(tiny_policy_dir, tmp_pat
     real = torch.cuda.manual_seed_all
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda s: (seeded_all.append(s), real(s))[1])
     before = torch.get_rng_state()
-    first, rows = trainer.evaluate(0)
+    first, rows = held_out(trainer, 0)
     assert torch.equal(torch.get_rng_state(), before)
     assert seeded_all == []  # torch.manual_seed would reseed every CUDA device, which fork_rng did not fork
     torch.rand(7)  # move the training stream: the evaluation does not depend on it
-    again, rows2 = trainer.evaluate(0)
+    again, rows2 = held_out(trainer, 0)
     assert again == first and rows2 == rows
 
 
@@ -716,7 +833,7 @@ def test_heldout_score_has_the_training_penalties(tiny_policy_dir, tmp_path, mon
                    ppo_epochs=1, response_length=6, ignore_eos=True, length_penalty=0.1, length_budget=2,
                    eval_prompts=str(held), eval_batch_size=2)
     trainer = PPOTrainer(cfg)
-    metrics, rows = trainer.evaluate(0)
+    metrics, rows = held_out(trainer, 0)
     assert metrics["eval/one"] == pytest.approx(1.0)
     assert metrics["eval/score"] == pytest.approx(1.0 - 0.1 * 4, abs=1e-6)  # 0.6
     assert [r["score"] for r in rows] == pytest.approx([0.6] * 3, abs=1e-6)
@@ -734,7 +851,7 @@ def old_prompt_indices(n, b, seed, step):
 
 
 def test_prompt_order_is_unchanged_and_draws_each_permutation_once(monkeypatch):
-    from ppolm.ppo import PromptOrder
+    from ppolm.data import PromptOrder
 
     # 5 prompts, batches of 3: steps 0..6 cross four passes over the data, some mid-batch
     order = PromptOrder(5, seed=2)
@@ -761,13 +878,13 @@ def test_critic_lam_sets_the_value_targets_only(tiny_policy_dir, tiny_rm_dir, tm
                    reward_model_weight=0.0, critic_lam=1.0, whiten_advantages=False, steps=1)
     trainer = PPOTrainer(cfg)
     seen = []
-    real_update = trainer.update
+    real_update = trainer.learner.update
 
     def recording_update(exp, *args, **kwargs):
         seen.append(exp)
         return real_update(exp, *args, **kwargs)
 
-    trainer.update = recording_update
+    trainer.learner.update = recording_update
     trainer.step(0)
     exp = seen[0]
     m = exp.mask.float()

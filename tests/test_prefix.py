@@ -8,8 +8,8 @@ import torch
 
 from ppolm import config, models, prefix, trunk
 from ppolm import rollout as ro
-from ppolm.ppo import PPOTrainer
 from ppolm.ppo_config import PPOConfig
+from ppolm.ppo_trainer import PPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,7 +126,7 @@ def test_reward_trunk_cache_runs_the_shared_beginning_once(tiny_rm_dir, monkeypa
     monkeypatch.setattr(prefix, "find", lambda *a: splits.append(real_find(*a)) or splits[-1])
     cache = TrunkCache(rm, n, texts, 0, torch.device("cpu"), "fp32", batch_size=4)
     assert len(splits) == 1 and splits[0] is not None and splits[0].length == 12
-    backbone, layers = critic.stack(rm)
+    backbone, layers = models.stack(rm)
     tap = critic.Tap(layers[len(layers) - n if n else 0])
     for x in texts:
         with torch.no_grad(), tap.capture():

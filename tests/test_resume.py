@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from ppolm import checkpoint, tracking
 from ppolm.cli import main
-from ppolm.models import build_tiny_model_dir
+from ppolm.tiny import build_tiny_model_dir
 
 REWARD_FILE = '''
 import math

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from ppolm import checkpoint, tracking
 from ppolm.cli import main
-from ppolm.models import build_tiny_model_dir
+from ppolm.tiny import build_tiny_model_dir
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "PYTHONUNBUFFERED": "1"}

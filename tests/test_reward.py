@@ -11,11 +11,10 @@ import torch
 
 from ppolm import config, models
 from ppolm.cli import main
+from ppolm.pairs import encode_pairs, load_pairs
 from ppolm.reward_train import (
     RewardTrainConfig,
-    encode_pairs,
     evaluate_pairs,
-    load_pairs,
     normalize_reward_model,
     reference_scores,
     train_reward,

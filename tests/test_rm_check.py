@@ -12,7 +12,7 @@ import torch
 from ppolm import alarms, models
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
-from ppolm.reward_train import Pair, encode_pairs
+from ppolm.pairs import Pair, encode_pairs
 from ppolm.rewards import RewardModel
 from ppolm.rm_check import onpolicy_check, policy_sampler, reward_model_scorer, sample_pairs
 from ppolm.rollout import left_pad

@@ -15,7 +15,8 @@ from ppolm import checkpoint, config, trainloop
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
 from ppolm.models import build_tiny_model_dir
-from ppolm.reward_train import Pair, RewardTrainConfig, train_reward
+from ppolm.pairs import Pair
+from ppolm.reward_train import RewardTrainConfig, train_reward
 from ppolm.rewards import NORM_FILE, RewardModel, read_norm
 from ppolm.rm_check import reward_model_scorer
 from ppolm.rm_guard import GuardOptions, RewardModelGuard
@@ -214,7 +215,7 @@ from dataclasses import asdict
 import torch
 from ppolm import distributed
 from ppolm.judge import Judge
-from ppolm.reward_train import Pair
+from ppolm.pairs import Pair
 from ppolm.rm_check import sharded_sampler
 from ppolm.rm_refresh import RefreshConfig, RewardModelRefresher
 

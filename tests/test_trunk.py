@@ -8,10 +8,11 @@ import pytest
 import torch
 from conftest import uneven_rollout
 
-from ppolm import config, critic, models, trunk
+from ppolm import config, models, tiny, trunk
 from ppolm import rollout as ro
-from ppolm.ppo import PPOTrainer
+from ppolm.ppo import held_out
 from ppolm.ppo_config import PPOConfig
+from ppolm.ppo_trainer import PPOTrainer
 from ppolm.rewards import RewardModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,15 +25,15 @@ def dirs(tmp_path_factory):
     """A 3-layer tiny policy; reward models made from it as `ppolm reward --train-layers N` would leave
     them (lower layers untouched, the top ``N`` moved); and one from another seed (nothing shared)."""
     root = tmp_path_factory.mktemp("trunk")
-    policy = models.build_tiny_model_dir(root / "policy", kind="causal", seed=0, num_layers=LAYERS)
+    policy = tiny.build_tiny_model_dir(root / "policy", kind="causal", seed=0, num_layers=LAYERS)
     tok = models.load_tokenizer(policy)
     out = {"policy": policy,
-           "other": models.build_tiny_model_dir(root / "other", kind="scalar", seed=1, num_layers=LAYERS)}
+           "other": tiny.build_tiny_model_dir(root / "other", kind="scalar", seed=1, num_layers=LAYERS)}
     for trained in (0, 1, 2):
         torch.manual_seed(trained)
         rm = models.load_scalar_model(policy, head_init="reward")
         with torch.no_grad():
-            for layer in list(critic.stack(rm)[1])[LAYERS - trained:]:
+            for layer in list(models.stack(rm)[1])[LAYERS - trained:]:
                 for p in layer.parameters():
                     p.add_(0.05 * torch.randn_like(p))
         models.save_pretrained(rm, tok, root / f"rm{trained}")
@@ -59,10 +60,10 @@ def test_reward_from_the_reference_pass_equals_the_full_forward(dirs, tokenizer,
     roll = batch(tokenizer)
     want = rm.score_ids(roll.input_ids, roll.attention_mask)
     k = trunk.shared_prefix(ref, rm.model)
-    per_layer = sum(p.numel() * 4 for p in critic.stack(ref)[1][0].parameters())
-    embed = critic.stack(ref)[0].embed_tokens.weight
+    per_layer = sum(p.numel() * 4 for p in models.stack(ref)[1][0].parameters())
+    embed = models.stack(ref)[0].embed_tokens.weight
     assert trunk.alias(ref, rm.model, k) == embed.numel() * 4 + k * per_layer
-    assert critic.stack(rm.model)[0].embed_tokens.weight.data_ptr() == embed.data_ptr()
+    assert models.stack(rm.model)[0].embed_tokens.weight.data_ptr() == embed.data_ptr()
     assert trunk.alias(ref, rm.model, k) == 0  # idempotent
     with trunk.Recorder(ref, {k}).record() as found, torch.no_grad():
         ro.logprobs(ref, roll, 1.0)
@@ -138,7 +139,7 @@ def test_ppo_steps_are_unchanged_by_sharing(dirs, tmp_path, rm, critic_layers, l
     with torch.no_grad():
         for (_, p), (_, q) in zip(on.trained_parameters(), off.trained_parameters()):
             q.copy_(p)
-    ev_on, _ = on.evaluate(2)
-    ev_off, _ = off.evaluate(2)
+    ev_on, _ = held_out(on, 2)
+    ev_off, _ = held_out(off, 2)
     for key in ("eval/score", "eval/kl"):
         assert ev_on[key] == pytest.approx(ev_off[key], abs=2e-5), key
