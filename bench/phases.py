@@ -240,14 +240,15 @@ def measure_steps(args: argparse.Namespace, trainer: Any) -> tuple[list[dict[str
                 return generate(policy, prompts, *a, **k)
         ro.generate = watched
     frozen = getattr(trainer, "frozen", None)
+    learner = getattr(trainer, "learner", trainer)  # the PPO epochs and optimisers (ppolm/ppo_learner.py)
     wrapped = {"reference": clock.wrap(frozen, "reference_pass", "reference"),
                "reward": clock.wrap(frozen, "score", "reward"),
                "frozen": clock.wrap(frozen, "run", "frozen"),
-               "forward_train": clock.wrap(trainer, "forward_train", "forward_train"),
+               "forward_train": clock.wrap(learner, "forward_train", "forward_train"),
                "values": clock.wrap(getattr(trainer, "actor_critic", None), "values", "critic_fwd"),
-               "optimizer_step": clock.wrap(trainer, "optimizer_step", "optimizer_step")}
+               "optimizer_step": clock.wrap(learner, "optimizer_step", "optimizer_step")}
     for name in ("actor_opt", "critic_opt"):
-        opt = getattr(trainer, name, None)
+        opt = getattr(learner, name, None)
         wrapped[name] = opt is not None
         if opt is not None:  # the optimiser's own step hooks: its step() alone
             opt.register_step_pre_hook(lambda *_a, name=name: seen.__setitem__(name, time.perf_counter()))

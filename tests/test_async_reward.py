@@ -10,10 +10,10 @@ import pytest
 
 from ppolm import config
 from ppolm.errors import PPOLMError
-from ppolm.models import build_tiny_model_dir
 from ppolm.ppo import train_ppo
 from ppolm.ppo_config import PPOConfig
 from ppolm.rewards import Rewarder, RewardFunction, load_reward_fn
+from ppolm.tiny import build_tiny_model_dir
 
 REWARDS = '''
 import asyncio

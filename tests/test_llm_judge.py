@@ -20,11 +20,11 @@ from starlette.routing import Route
 from ppolm import config
 from ppolm.errors import PPOLMError
 from ppolm.judge import JudgeReward, load_judge, load_llm_judge, parse_choice, parse_rating
-from ppolm.models import build_tiny_model_dir
 from ppolm.ppo import train_ppo
 from ppolm.ppo_config import PPOConfig
 from ppolm.rewards import Rewarder
 from ppolm.serve_rm import RunningServer, bind
+from ppolm.tiny import build_tiny_model_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

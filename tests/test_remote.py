@@ -25,12 +25,13 @@ from ppolm import config
 from ppolm.cli import main
 from ppolm.errors import PPOLMError
 from ppolm.judge import build_sources
-from ppolm.models import build_tiny_model_dir, load_tokenizer
+from ppolm.models import load_tokenizer
 from ppolm.ppo import train_ppo
 from ppolm.ppo_config import PPOConfig
 from ppolm.remote import RemoteReward, endpoint, shards
 from ppolm.rewards import Rewarder
 from ppolm.serve_rm import RunningServer, ServeRMConfig, bind, start
+from ppolm.tiny import build_tiny_model_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
