@@ -89,14 +89,12 @@ class HeldOutSplit:
 
 
 @dataclass
-class TrainRunControl:
-    """Seeding, checkpoints, --resume/--overwrite and the non-finite guard of a training run
-    (sft, reward, dpo: :class:`ppolm.trainloop.TrainLoop`)."""
+class RunControl:
+    """Seeding, --resume/--overwrite, the non-finite guard and the torchrun timeout: the run options
+    of every training command, ppo included (:mod:`ppolm.scaffold`)."""
 
     seed: int = 0
-    """Random seed (data split, shuffling, LoRA init)."""
-    save_every: int = 50
-    """Write a resumable checkpoint every N optimiser steps (and at the end, and on Ctrl-C/SIGTERM)."""
+    """Random seed (data order and shuffles, sampling, LoRA init)."""
     keep_last: int = 2
     """Keep only the newest K checkpoints."""
     resume: bool = False
@@ -104,11 +102,20 @@ class TrainRunControl:
     overwrite: bool = False
     """Allow writing into an --output-dir that already holds files (they are replaced once the data and model have loaded)."""
     max_skipped_updates: int = 3
-    """Abort after this many consecutive updates skipped for a non-finite (NaN/inf) loss or gradient."""
+    """Abort after this many consecutive updates skipped for a non-finite (NaN/inf) reward, loss or gradient."""
     quiet: bool = False
-    """No progress bar; one log line per epoch instead."""
+    """No progress bar; one log line per epoch (ppo: per step) instead."""
     dist_timeout: float = 600.0
     """Under torchrun: seconds a process waits for the others in a collective before the job fails instead of hanging."""
+
+
+@dataclass
+class TrainRunControl(RunControl):
+    """The run options of sft, reward and dpo (:class:`ppolm.trainloop.TrainLoop`): the shared ones
+    and their checkpoint interval, and FSDP for the one trained model."""
+
+    save_every: int = 50
+    """Write a resumable checkpoint every N optimiser steps (and at the end, and on Ctrl-C/SIGTERM)."""
     fsdp: bool = False
     """Under torchrun: shard the trained model's weights, gradients and Adam states over the processes (FSDP2); off: DDP. more: docs/distributed.md"""
 

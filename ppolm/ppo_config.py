@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ppolm.config_sections import LoRAOptions, ModelLoading
+from ppolm.config_sections import LoRAOptions, ModelLoading, RunControl
 from ppolm.distributed import launched_world_size
 from ppolm.errors import FLOAT32_MAX, PPOLMError
 
@@ -217,29 +217,20 @@ class KLConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(RunControl):
+    """Data, outputs, checkpoints and held-out evaluation of a PPO run; seeding, --resume/--overwrite and
+    the non-finite guard are the options every training command shares (:class:`RunControl`)."""
+
     prompts: str | None = None
     """Prompts: .jsonl/.json ('prompt' text or 'messages' chat list), .txt (one per line), .parquet, or a saved datasets directory. Default: a built-in prompt set."""
     chat_template: bool = True
     """Apply the tokenizer's chat template to text prompts (messages prompts always use it)."""
     output_dir: str = "runs/ppo"
     """Where the policy, critic, config, metrics, samples, TensorBoard events and checkpoints go."""
-    seed: int = 0
-    """Random seed (of the models' sampling, the prompt order and the minibatch shuffles)."""
     sample_every: int = 5
     """Write samples (prompt, response, score, KL) to samples.jsonl every N steps."""
     save_every: int = 10
     """Write a resumable checkpoint every N steps (and at the end, and on Ctrl-C)."""
-    keep_last: int = 2
-    """Keep only the newest K checkpoints."""
-    resume: bool = False
-    """Continue from the newest valid checkpoint in --output-dir."""
-    overwrite: bool = False
-    """Allow writing into an --output-dir that holds a different run (its files are replaced)."""
-    max_skipped_updates: int = 3
-    """Abort after this many consecutive updates skipped for non-finite rewards, losses or gradients (a skip leaves beta unchanged)."""
-    quiet: bool = False
-    """No progress bar; one log line per step instead."""
     eval_prompts: str | None = None
     """Held-out prompts (formats as --prompts) scored before training and every --eval-every steps: eval.jsonl. more: docs/metrics.md#held-out-evaluation"""
     eval_every: int = 5
@@ -250,8 +241,6 @@ class RunConfig:
     """Extra scorers used only for evaluation, never for training (e.g. a gold judge): 'file.py:fn' or 'module:fn'."""
     best_metric: str | None = None
     """Keep the policy that maximises this eval metric (e.g. eval/gold_judge) in best/ with best.json."""
-    dist_timeout: float = 600.0
-    """Under torchrun: seconds a process waits for the others in a collective before the job fails instead of hanging."""
 
 
 @dataclass

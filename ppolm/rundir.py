@@ -24,7 +24,8 @@ from ppolm import atomic, config
 from ppolm.errors import PPOLMError
 
 RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "epochs", "save_every", "keep_last", "sample_every",
-               "max_skipped_updates", "dist_timeout"}
+               "max_skipped_updates", "dist_timeout", "reward_url_timeout", "reward_url_retries",
+               "reward_url_batch_size"}
 """Options a resumed run may change (of any section); every other option must match the run it continues."""
 
 
@@ -43,6 +44,10 @@ def config_difference(saved: Any, now: dict[str, Any]) -> str:
     (added to ppolm since) counts as unchanged."""
     if not isinstance(saved, dict):
         return f"the saved config is a {type(saved).__name__}, not a mapping"
+
+    def same(old: Any, new: Any) -> bool:  # an option that became repeatable: v then is [v] now
+        return old == new or (isinstance(new, list) and not isinstance(old, list) and new == [old])
+
     for key, value in now.items():
         if isinstance(value, dict):
             section = saved.get(key, {})
@@ -50,9 +55,9 @@ def config_difference(saved: Any, now: dict[str, Any]) -> str:
                 old = section.get(k, v) if isinstance(section, dict) else None
                 if (key, k) == ("kl", "kl_coef_max") and old is None and v is not None:
                     old = math.inf  # a run saved before the ceiling had a default: none meant no ceiling
-                if k not in RUN_CONTROL and old != v:
+                if k not in RUN_CONTROL and not same(old, v):
                     return f"{k}: {old!r} then, {v!r} now"
-        elif key not in RUN_CONTROL and saved.get(key, value) != value:
+        elif key not in RUN_CONTROL and not same(saved.get(key, value), value):
             return f"{key}: {saved.get(key)!r} then, {value!r} now"
     return ""
 

@@ -173,3 +173,25 @@ def test_ppo_model_section_keeps_its_saved_shape():
     added = {"fsdp": False, "ref_model": None, "critic_model": None}  # options added since, at their defaults
     assert now["model"] == {**saved["model"], **added}  # same nested keys and values
     assert rundir.config_difference(saved, now) == ""
+
+
+def test_a_reward_run_saved_with_one_data_file_resumes_now_that_data_repeats():
+    from ppolm.reward_train import RewardTrainConfig
+
+    now = config.to_dict(config.build(RewardTrainConfig, {"data": ["pairs.jsonl"]}))
+    assert now["data"] == ["pairs.jsonl"]
+    saved = {**now, "data": "pairs.jsonl"}  # reward_config.yaml written while --data took one file
+    assert rundir.config_difference(saved, now) == ""
+    assert rundir.config_difference({**now, "data": "other.jsonl"}, now) == \
+        "data: 'other.jsonl' then, ['pairs.jsonl'] now"
+
+
+def test_ppo_shares_the_run_options_of_the_other_commands():
+    from ppolm.config_sections import RunControl, TrainRunControl
+    from ppolm.ppo_config import RunConfig
+
+    shared = {f.name: (f.default, f.metadata) for f in dataclasses.fields(RunControl)}
+    for cls in (RunConfig, TrainRunControl):
+        assert issubclass(cls, RunControl)
+        assert {f.name: (f.default, f.metadata) for f in dataclasses.fields(cls) if f.name in shared} == shared
+    assert config.option_help(RunConfig, "seed") == config.option_help(TrainRunControl, "seed")
