@@ -100,7 +100,7 @@ class RewardConfig:
     reward_judge_weights: list[float] = field(default_factory=list)
     """One weight per --reward-judge, in order (default 1 each)."""
     judge: str | None = None
-    """Judge of answers for --rm-check-* and --rm-refresh-*: 'file.py:fn' or 'module:fn', scores or P(a preferred). more: docs/overoptimisation.md"""
+    """Judge of answers for --rm-check-* and --rm-refresh-*: 'file.py:fn', 'module:fn' or 'openai:MODEL@URL'. more: docs/overoptimisation.md"""
     judge_temperature: float = 0.0
     """Bradley-Terry noise of a scoring judge's labels, P(a) = sigmoid((s_a - s_b) / T); 0 = the higher score wins."""
     rm_check_every: int = 0
