@@ -9,13 +9,16 @@ import json
 import math
 import os
 import random
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from safetensors.torch import load_file
 
-from ppolm import config, tracking
+from ppolm import config, docs_gen, tracking
 from ppolm.cli import main
 from ppolm.reward_train import RewardTrainConfig, train_reward
 from ppolm.tiny import build_tiny_model_dir
@@ -27,6 +30,7 @@ def length(prompts, completions, **kwargs):
     """Longer answers are better (characters)."""
     return [float(len(c)) for c in completions]
 '''
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 WORDS = "the a cat dog sun tree river house blue green small big quick slow old new red road".split()
 
 
@@ -107,6 +111,9 @@ def test_check_at_evaluations_goes_to_eval_jsonl_and_the_next_step(micro_dir, rm
     for r, e in zip(m, ev):  # step u's row holds the check after u updates
         assert r["rm/onpolicy_accuracy"] == e["rm/onpolicy_accuracy"]
         assert r["rm/onpolicy_pairs"] == e["rm/onpolicy_pairs"]
+    for rows_, names in ((ev, docs_gen.EVAL_METRICS), (m, docs_gen.PPO_METRICS)):  # every name documented
+        patterns = [re.escape(n).replace("<source>", "[^/]+").replace("<name>", "[a-z_]+") for n in names]
+        assert {k for r in rows_ for k in r if not any(re.fullmatch(p, k) for p in patterns)} == set()
 
 
 def test_refresh_changes_the_reward_model_and_resumes_bit_identically(micro_dir, rm_dir, judge_file, tmp_path):
@@ -132,6 +139,20 @@ def test_refresh_changes_the_reward_model_and_resumes_bit_identically(micro_dir,
     assert main(args(micro_dir, rm_dir, b, steps=3, extra=[*opts, "--resume"])) == 0
     assert rows(a / "metrics.jsonl") == rows(b / "metrics.jsonl")
     assert tensors(a) == tensors(b)
+    # SIGTERM once the first refresh's row is written: the run stops after its current step, with a checkpoint
+    c = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-m", "ppolm.cli", *args(micro_dir, rm_dir, c, extra=opts)], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not (c / "metrics.jsonl").exists() or not (c / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert "interrupted after step" in err, err[-2000:]  # (after a refresh: one follows every step)
+    assert main(args(micro_dir, rm_dir, c, extra=[*opts, "--resume"])) == 0
+    assert rows(a / "metrics.jsonl") == rows(c / "metrics.jsonl")
+    assert tensors(a) == tensors(c)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -171,8 +192,7 @@ def test_check_and_refresh_under_torchrun_keep_the_processes_equal(micro_dir, rm
            *args(micro_dir, rm_dir, out, steps=2, extra=["--judge", f"{judge_file}:length", "--rm-check-every", "1",
                                                         "--rm-check-pairs", "4", "--rm-refresh-every", "1",
                                                         "--rm-refresh-pairs", "4", "--rm-refresh-steps", "2"])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PPOLM_RANK_SUMMARY": str(summary)}
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(cmd, env={**ENV, "PPOLM_RANK_SUMMARY": str(summary)}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     got = tracking.read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in got] == [0, 1] and all(r["rm_refresh/pairs_added"] >= 1 for r in got)
