@@ -14,7 +14,7 @@ import torch
 from ppolm import checkpoint, config, trainloop
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
-from ppolm.models import build_tiny_model_dir
+from ppolm.tiny import build_tiny_model_dir
 from ppolm.pairs import Pair
 from ppolm.reward_train import RewardTrainConfig, train_reward
 from ppolm.rewards import NORM_FILE, RewardModel, read_norm
