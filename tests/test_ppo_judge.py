@@ -200,3 +200,17 @@ def test_check_and_refresh_under_torchrun_keep_the_processes_equal(micro_dir, rm
     one, two = (json.loads((summary / f"rank{r}.json").read_text()) for r in (0, 1))
     assert one["weights"] == two["weights"] and one["last_row"] == two["last_row"]
     assert (out / "reward_model_refreshed" / "model.safetensors").exists()
+
+
+def test_resume_needs_the_same_judge_options(micro_dir, rm_dir, judge_file, tmp_path, capsys):
+    """The check's and refresh's state is in the checkpoint: --resume with other --judge/--rm-* options
+    is refused with one line, the run's files untouched."""
+    out = tmp_path / "run"
+    opts = ["--judge", f"{judge_file}:length", "--rm-check-every", "1", "--rm-check-pairs", "2"]
+    assert main(args(micro_dir, rm_dir, out, steps=1, extra=opts)) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(args(micro_dir, rm_dir, out, steps=2, extra=[*opts, "--rm-check-pairs", "3", "--resume"])) == 2
+    err = capsys.readouterr().err
+    assert "error: --output-dir" in err and "rm_check_pairs: 2 then, 3 now" in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
