@@ -3,8 +3,8 @@
 :func:`train_ppo` builds a :class:`ppolm.ppo_trainer.PPOTrainer` (the models, the data, one PPO
 iteration as :meth:`~ppolm.ppo_trainer.PPOTrainer.step`) and :func:`run` runs its steps inside the
 scaffold every training command shares (ppolm/scaffold.py): resume, the first step before anything
-is written, the loop with metrics and the debugging checklist's alarms, held-out evaluation,
-checkpoints and Ctrl-C/SIGTERM, and the final outputs (ppolm/ppo_outputs.py). What a run writes
+is written, the loop with metrics and the debugging checklist's alarms, held-out evaluation, the
+reward model's on-policy check and refresh against a judge (--judge, ppolm/rm_guard.py), checkpoints and Ctrl-C/SIGTERM, and the final outputs (ppolm/ppo_outputs.py). What a run writes
 is listed in :data:`ppolm.ppo_trainer.OUTPUTS`.
 """
 
@@ -91,8 +91,11 @@ def run(trainer: PPOTrainer) -> PPOResult:
                 first = None
                 last = step + 1 == cfg.algo.steps
                 check: dict[str, Any] = {}
-                if watch:  # the check of the policy that sampled this step; the refresh due after its update;
-                    metrics.update(watch.pending())  # the check of the updated (refreshed) policy, for the next row
+                if watch:
+                    # --judge: the check of the policy that sampled this step, the refresh due after its
+                    # update, then the check of the updated policy (against the refreshed model), kept for
+                    # the next step's row and this evaluation's
+                    metrics.update(watch.pending())
                     metrics.update(watch.after_update(step + 1))
                     check = watch.check(step + 1, eval_due(step + 1))
                 if main:
