@@ -4,8 +4,9 @@
 iteration as :meth:`~ppolm.ppo_trainer.PPOTrainer.step`) and :func:`run` runs its steps inside the
 scaffold every training command shares (ppolm/scaffold.py): resume, the first step before anything
 is written, the loop with metrics and the debugging checklist's alarms, held-out evaluation, the
-reward model's on-policy check and refresh against a judge (--judge, ppolm/rm_guard.py), checkpoints and Ctrl-C/SIGTERM, and the final outputs (ppolm/ppo_outputs.py). What a run writes
-is listed in :data:`ppolm.ppo_trainer.OUTPUTS`.
+reward model's on-policy check and refresh against a judge (--judge, ppolm/rm_guard.py),
+checkpoints and Ctrl-C/SIGTERM, and the final outputs (ppolm/ppo_outputs.py). What a run writes is
+listed in :data:`ppolm.ppo_trainer.OUTPUTS`.
 """
 
 from __future__ import annotations
