@@ -214,3 +214,41 @@ def test_resume_needs_the_same_judge_options(micro_dir, rm_dir, judge_file, tmp_
     err = capsys.readouterr().err
     assert "error: --output-dir" in err and "rm_check_pairs: 2 then, 3 now" in err and "Traceback" not in err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+TURNCOAT = '''
+import os
+
+import torch
+
+from ppolm.rewards import RewardModel
+from ppolm.rm_check import reward_model_scorer
+
+STATE = {"seen": 0}
+
+
+def turncoat(prompts, completions, **kwargs):
+    """The proxy's own scores for the first check's answers, their opposite afterwards."""
+    if "score" not in STATE:
+        STATE["score"] = reward_model_scorer(RewardModel(os.environ["TURNCOAT_RM"], dtype=torch.float32, device="cpu"))
+    flip = STATE["seen"] >= int(os.environ["TURNCOAT_AFTER"])
+    STATE["seen"] += len(completions)
+    scores = STATE["score"](list(prompts), list(completions)).tolist()
+    return [-s if flip else s for s in scores]
+'''
+
+
+def test_drift_alarm_fires_live_when_the_judge_turns(micro_dir, rm_dir, tmp_path, monkeypatch, capsys):
+    """A judge that agrees with the proxy at the first check (accuracy 1) and disagrees from then on
+    (accuracy 0): reward_model_drift fires at the second step, warned once and marked in its row."""
+    judge = tmp_path / "turncoat.py"
+    judge.write_text(TURNCOAT)
+    monkeypatch.setenv("TURNCOAT_RM", str(rm_dir))
+    monkeypatch.setenv("TURNCOAT_AFTER", "8")  # the first check's 4 pairs
+    out = tmp_path / "run"
+    assert main(args(micro_dir, rm_dir, out, steps=2, extra=["--judge", f"{judge}:turncoat", "--rm-check-every", "1",
+                                                              "--rm-check-pairs", "4"])) == 0
+    got = tracking.read_jsonl(out / "metrics.jsonl")
+    assert [(r["rm/onpolicy_accuracy"], r["rm/onpolicy_accuracy_se"]) for r in got] == [(1.0, 0.0), (0.0, 0.0)]
+    assert "alarm/reward_model_drift" not in got[0] and got[1]["alarm/reward_model_drift"] == 1
+    assert capsys.readouterr().err.count("warning: alarm reward_model_drift at step 1") == 1
