@@ -14,7 +14,6 @@ import torch
 from ppolm import checkpoint, config, trainloop
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
-from ppolm.tiny import build_tiny_model_dir
 from ppolm.pairs import Pair
 from ppolm.reward_train import RewardTrainConfig, train_reward
 from ppolm.rewards import NORM_FILE, RewardModel, read_norm
@@ -26,6 +25,7 @@ from ppolm.rm_refresh import (
     original_pairs,
     refresh_ensemble,
 )
+from ppolm.tiny import build_tiny_model_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
