@@ -203,6 +203,24 @@ def gather_objects(obj: T) -> list[T]:
     return out
 
 
+def on_main(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on process 0 only (a judge asked once, for every process) and give its result to
+    every process. A :class:`PPOLMError` it raises is raised on every process (printed once, by process 0)."""
+    if not active():
+        return fn()
+    result: Any = None
+    error = None
+    if is_main():
+        try:
+            result = fn()
+        except PPOLMError as e:
+            error = str(e)
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise RankError(error)
+    return result
+
+
 def broadcast_object(obj: T) -> T:
     """Process 0's ``obj`` on every process."""
     if not active():

@@ -79,8 +79,9 @@ PPO_METRICS: dict[str, str] = {
     "time/train_s": "seconds spent in the PPO epochs.",
     "time/step_s": "seconds for the whole step.",
     "time/rm_check": "seconds spent on the on-policy reward-model check (sampling, judging, scoring).",
-    "rm/onpolicy_accuracy": "(`--judge`) share of pairs of the current policy's answers that the proxy reward model "
-                            "orders as the judge does (a proxy tie counts half); docs/overoptimisation.md.",
+    "rm/onpolicy_accuracy": "(`--judge`) share of pairs of answers of the policy that sampled this step's batch that "
+                            "the proxy reward model orders as the judge does (a proxy tie counts half); "
+                            "docs/overoptimisation.md.",
     "rm/onpolicy_accuracy_se": "its binomial standard error, sqrt(p(1 − p) / n).",
     "rm/onpolicy_pairs": "pairs the judge ordered (ties and skipped pairs left out).",
     "rm/onpolicy_ties": "pairs the judge tied.",
@@ -120,6 +121,10 @@ EVAL_METRICS: dict[str, str] = {
     "eval/<source>": "each reward source's raw mean score, and every `--eval-reward-fn` scorer's.",
     "eval/<source>_se": "its standard error.",
     "eval/gold_judge": "(`ppolm demo`) the gold judge's score, the demo's measure of true quality.",
+    "rm/<name>": "(`--judge`) the on-policy reward-model check of the evaluated policy (the `rm/` metrics of "
+                 "metrics.jsonl).",
+    "time/rm_check": "seconds that check took.",
+    "alarm/<name>": "on the last evaluation: an alarm its check fired first (there is no step row after it).",
 }
 
 METRIC_PREFIXES = ("objective", "policy", "loss", "val", "adv", "response", "lr", "ppo", "guard", "time", "eval",

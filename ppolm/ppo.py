@@ -3,9 +3,10 @@
 :func:`train_ppo` builds a :class:`ppolm.ppo_trainer.PPOTrainer` (the models, the data, one PPO
 iteration as :meth:`~ppolm.ppo_trainer.PPOTrainer.step`) and :func:`run` runs its steps inside the
 scaffold every training command shares (ppolm/scaffold.py): resume, the first step before anything
-is written, the loop with metrics and the debugging checklist's alarms, held-out evaluation,
-checkpoints and Ctrl-C/SIGTERM, and the final outputs (ppolm/ppo_outputs.py). What a run writes
-is listed in :data:`ppolm.ppo_trainer.OUTPUTS`.
+is written, the loop with metrics and the debugging checklist's alarms, held-out evaluation, the
+reward model's on-policy check and refresh against a judge (--judge, ppolm/rm_guard.py),
+checkpoints and Ctrl-C/SIGTERM, and the final outputs (ppolm/ppo_outputs.py). What a run writes is
+listed in :data:`ppolm.ppo_trainer.OUTPUTS`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from ppolm import alarms, checkpoint, distributed, evaluate, ppo_outputs, runtime, scaffold, tracking
 from ppolm.ppo_config import PPOConfig
 from ppolm.ppo_trainer import PPOTrainer
+from ppolm.rm_guard import PPOWatch
 
 
 @dataclass
@@ -45,9 +47,14 @@ def run(trainer: PPOTrainer) -> PPOResult:
     cfg, out, state = trainer.cfg, trainer.out, trainer.state
     main = distributed.is_main()
     scaffold.allow_skipped_scheduler_steps()
+    watch = PPOWatch.of(trainer)  # --judge: the reward models' on-policy check and refresh (ppolm/rm_guard.py)
     if cfg.run.resume:
-        scaffold.resume(out, trainer.load_checkpoint)
+        scaffold.resume(out, functools.partial(load_checkpoint, trainer, watch))
     start, evaluating = state.start_step, trainer.eval_prompts is not None
+
+    def eval_due(updates: int) -> bool:
+        return evaluating and (updates % cfg.run.eval_every == 0 or updates == cfg.algo.steps)
+
     with runtime.stop_on_signal() as stop:
         try:
             # The first eval and step run before anything is written: a reward function that raises
@@ -56,6 +63,7 @@ def run(trainer: PPOTrainer) -> PPOResult:
             print(f"{'evaluating, then ' if evaluating and start == 0 else ''}running step "
                   f"{start + 1}/{cfg.algo.steps} (the progress bar starts after it)", file=sys.stderr)
             first_eval = held_out(trainer, 0) if evaluating and start == 0 else None
+            first_check = watch.check(0, evaluating) if watch and start == 0 else {}
             first = trainer.step(start) if start < cfg.algo.steps else None
             if main:
                 trainer.output_dir().commit(cfg)
@@ -78,16 +86,24 @@ def run(trainer: PPOTrainer) -> PPOResult:
                 live_alarms = alarms.LiveAlarms(kl_target=cfg.kl.kl_target if cfg.kl.adaptive_kl else None,
                                                 emit=tracker.warn, rows=tracking.read_jsonl(out / "metrics.jsonl"))
             if first_eval is not None:
-                log_eval(trainer, tracker, 0, first_eval)
+                log_eval(trainer, tracker, 0, (first_eval[0] | first_check, first_eval[1]))
             for step in range(start, cfg.algo.steps):
                 metrics, samples = first if step == start else trainer.step(step)
                 first = None
+                last = step + 1 == cfg.algo.steps
+                check: dict[str, Any] = {}
+                if watch:
+                    # --judge: the check of the policy that sampled this step, the refresh due after its
+                    # update, then the check of the updated policy (against the refreshed model), kept for
+                    # the next step's row and this evaluation's
+                    metrics.update(watch.pending())
+                    metrics.update(watch.after_update(step + 1))
+                    check = watch.check(step + 1, eval_due(step + 1))
                 if main:
                     metrics.update(live_alarms(step, metrics))
                     tracker.log(step, metrics)
                     if samples:
                         tracker.samples(samples)
-                last = step + 1 == cfg.algo.steps
                 # a run that ends having skipped every update trained nothing: the same error, sooner
                 state.guard.check(trainer.trained_parameters(), cfg.run.max_skipped_updates, last=f" at step {step}",
                                   when=f"step {step}", give_up=last and state.guard.consecutive_skips > step,
@@ -95,12 +111,15 @@ def run(trainer: PPOTrainer) -> PPOResult:
                                          "checkpoint with --resume",
                                   weights_advice="Lower --actor-lr/--critic-lr and continue from the last "
                                                  "checkpoint with --resume")
-                if evaluating and ((step + 1) % cfg.run.eval_every == 0 or last):
-                    log_eval(trainer, tracker, step + 1, held_out(trainer, step + 1))
+                if eval_due(step + 1):
+                    result = held_out(trainer, step + 1)
+                    if check and main and last:  # no step row after the last: its alarms go here
+                        check |= live_alarms(step + 1, check)
+                    log_eval(trainer, tracker, step + 1, (result[0] | check, result[1]))
                 # a signal reaches some processes only (Ctrl-C on one node): all stop after the same step
                 stopping = distributed.any_flag(stop["requested"])
                 if (step + 1) % cfg.run.save_every == 0 or last or stopping:
-                    scaffold.save_checkpoint(out, step + 1, functools.partial(trainer.checkpoint_state, step + 1),
+                    scaffold.save_checkpoint(out, step + 1, functools.partial(checkpoint_state, trainer, watch, step + 1),
                                              cfg.run.keep_last)
                 if stopping and not last:
                     stop["requested"] = True
@@ -119,6 +138,8 @@ def run(trainer: PPOTrainer) -> PPOResult:
         if main:
             try:
                 ppo_outputs.save(trained, out)
+                if watch:
+                    watch.save(out)
             except OSError as e:
                 raise checkpoint.disk_error(e, out, "the final policy/critic") from None
     rows = distributed.broadcast_object(tracking.read_jsonl(out / "metrics.jsonl") if main else None)
@@ -128,6 +149,19 @@ def run(trainer: PPOTrainer) -> PPOResult:
         "masters": distributed.checksum(trainer.learner.actor.params)})
     distributed.barrier()  # the outputs are complete when any process returns
     return PPOResult(out, rows, interrupted)
+
+
+def checkpoint_state(trainer: PPOTrainer, watch: PPOWatch | None, next_step: int
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trainer's checkpoint after ``next_step`` updates, with --judge's guard state."""
+    tensors, meta = trainer.checkpoint_state(next_step)
+    return watch.checkpoint_state(tensors, meta) if watch else (tensors, meta)
+
+
+def load_checkpoint(trainer: PPOTrainer, watch: PPOWatch | None, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+    trainer.load_checkpoint(tensors, meta)
+    if watch:
+        watch.load_checkpoint(tensors, meta)
 
 
 def held_out(trainer: PPOTrainer, updates: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -99,6 +99,20 @@ class RewardConfig:
     API key, template, options: docs/rewards.md."""
     reward_judge_weights: list[float] = field(default_factory=list)
     """One weight per --reward-judge, in order (default 1 each)."""
+    judge: str | None = None
+    """Judge of answers for --rm-check-* and --rm-refresh-*: 'file.py:fn', 'module:fn' or 'openai:MODEL@URL'. more: docs/overoptimisation.md"""
+    judge_temperature: float = 0.0
+    """Bradley-Terry noise of a scoring judge's labels, P(a) = sigmoid((s_a - s_b) / T); 0 = the higher score wins."""
+    rm_check_every: int = 0
+    """With --judge: check the reward model against the judge on the policy's answers every N steps; 0 = at each held-out evaluation."""
+    rm_check_pairs: int = 64
+    """Answer pairs per on-policy check (rm/onpolicy_accuracy and its SE); 0 = no check."""
+    rm_refresh_every: int = 0
+    """With --judge: every K steps, train the reward model further on judge-labelled pairs of the policy's answers; 0 = never."""
+    rm_refresh_pairs: int = 64
+    """Pairs of the policy's answers to training prompts that the judge labels per refresh (up to N judge calls)."""
+    rm_refresh_steps: int = 32
+    """Reward-model optimiser steps per refresh, each batch half fresh and half replayed pairs; then it is re-normalised."""
 
 
 @dataclass
@@ -362,8 +376,31 @@ class PPOConfig:
                  f"of {world_size * a.minibatches * a.grad_accum}")
         need(self.run.eval_prompts is not None or not (self.run.eval_reward_fn or self.run.best_metric),
              "--eval-reward-fn and --best-metric need --eval-prompts FILE")
+        self.validate_judge()
         need(not (g.ignore_eos and r.missing_eos_penalty is not None),
              "--missing-eos-penalty with --ignore-eos would penalise every response; drop one of them")
+
+    def validate_judge(self) -> None:
+        """--judge and the reward-model check and refresh it drives (docs/overoptimisation.md)."""
+        r = self.reward
+        if r.judge is None:
+            for name, v in (("rm-check-every", r.rm_check_every), ("rm-refresh-every", r.rm_refresh_every)):
+                if v:
+                    raise PPOLMError(f"--{name} needs --judge SPEC (whose preferences the reward model is checked "
+                                     "against)")
+            return
+        if not r.reward_model:
+            raise PPOLMError("--judge checks and refreshes a reward model: give --reward-model DIR")
+        if not (math.isfinite(r.judge_temperature) and r.judge_temperature >= 0):
+            raise PPOLMError(f"--judge-temperature must be >= 0 (0 = the higher score wins); got {r.judge_temperature}")
+        for name in ("rm_check_every", "rm_check_pairs", "rm_refresh_every"):
+            if getattr(r, name) < 0:
+                raise PPOLMError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(r, name)}")
+        if r.rm_refresh_every and (r.rm_refresh_pairs < 1 or r.rm_refresh_steps < 1):
+            raise PPOLMError("--rm-refresh-every needs --rm-refresh-pairs >= 1 and --rm-refresh-steps >= 1")
+        if not r.rm_refresh_every and not (r.rm_check_pairs and (r.rm_check_every or self.run.eval_prompts)):
+            raise PPOLMError("--judge is never used: give --rm-check-every N, --eval-prompts FILE (a check at each "
+                             "evaluation) or --rm-refresh-every K")
 
     def resolve(self) -> PPOConfig:
         """A copy with the "auto" choices replaced by what they mean for this estimator (what the run

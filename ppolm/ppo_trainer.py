@@ -33,7 +33,8 @@ from ppolm.rewards import RewardFunction, function_name, load_reward_fn, reward_
 from ppolm.rundir import OutputDir
 
 OUTPUTS = ("policy", "policy_adapter", "critic", "checkpoints", "tensorboard", "metrics.jsonl", "samples.jsonl",
-           "eval.jsonl", "eval_samples.jsonl", "best", "best.json", "config.yaml", "report.html", "plots")
+           "eval.jsonl", "eval_samples.jsonl", "best", "best.json", "config.yaml", "report.html", "plots",
+           "reward_model_refreshed")
 """What a PPO run writes in --output-dir (and --overwrite removes)."""
 
 KLController = core.AdaptiveKLController | core.FixedKLController
@@ -101,6 +102,8 @@ class PPOTrainer:
 
         # The reward comes first: a wrong spec should fail before minutes of model loading.
         functions, self.eval_functions = self.load_reward_functions()
+        r = cfg.reward  # --judge: the reward models' check and refresh (ppolm/rm_guard.py, built by ppolm/ppo.py)
+        self.judge = judge.load_judge(r.judge, r.judge_temperature) if r.judge else None
         self.tokenizer = models.load_tokenizer(m.model)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         # Data and reward models' heads before any model loads, so a bad input fails in seconds.

@@ -151,6 +151,22 @@ def reward_vs_kl_panels(run: Run) -> list[dict[str, Any]]:
     return panels
 
 
+def onpolicy_vs_kl(run: Run) -> dict[str, list[dict[str, Any]]]:
+    """The data of the on-policy check's plot (``ppolm ppo --judge``, docs/overoptimisation.md):
+    ``rm/onpolicy_accuracy`` and ``rm/heldout_accuracy`` as points ``{"kl", "y", "se", "step"}`` in KL
+    order, from the held-out evaluations (their KL) when they hold the check, else from the steps'
+    rows (the KL of the batch the checked policy sampled). Empty lists without a check."""
+    rows, kl = (run.evals, "eval/kl") if any("rm/onpolicy_accuracy" in r for r in run.evals) else \
+        (run.metrics, "objective/kl")
+
+    def points(key: str) -> list[dict[str, Any]]:
+        pts = [{"kl": r[kl], "y": r[key], "se": r[key + "_se"] if _num(r.get(key + "_se")) else 0.0,
+                "step": r.get("step")} for r in rows if _num(r.get(kl)) and _num(r.get(key))]
+        return sorted(pts, key=lambda p: (p["kl"], p["step"] if _num(p["step"]) else 0))
+
+    return {"onpolicy": points("rm/onpolicy_accuracy"), "heldout": points("rm/heldout_accuracy")}
+
+
 def make_plots(run: Run, out: Path) -> dict[str, tuple[str, Path]]:
     """Write the PNGs; returns name -> (caption, path)."""
     import matplotlib
@@ -269,6 +285,24 @@ def make_plots(run: Run, out: Path) -> dict[str, tuple[str, Path]]:
     ax.set(xlabel="PPO step", ylabel="response length, tokens", title="Response length")
     ax.legend(fontsize=8)
     save(fig, "length", "Mean response length; drift means the reward pays for length.")
+
+    # 8. the reward model's agreement with the judge on the policy's own answers (--judge)
+    check = onpolicy_vs_kl(run)
+    if check["onpolicy"]:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for key, label, color in (("onpolicy", "on the policy's answers (±1 SE)", "tab:red"),
+                                  ("heldout", "on its original held-out pairs", "grey")):
+            pts = check[key]
+            if pts:
+                ax.errorbar([p["kl"] for p in pts], [p["y"] for p in pts], yerr=[p["se"] for p in pts],
+                            marker="o", capsize=3, color=color, lw=1, label=label)
+        ax.axhline(0.5, color="grey", ls=":", lw=1)
+        ax.set(xlabel="KL(policy || reference), nats per response", ylabel="agreement with the judge",
+               title="Reward model vs judge", ylim=(0, 1.02))
+        ax.legend(fontsize=8)
+        save(fig, "rm_agreement_vs_kl", "How often the reward model orders pairs of answers as the judge does "
+                                        "(0.5: chance), against KL: a fall on the policy's own answers is the "
+                                        "proxy being over-optimised (docs/overoptimisation.md).")
     return plots
 
 

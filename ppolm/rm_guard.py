@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from ppolm import checkpoint, rewards
+from ppolm import checkpoint, distributed, rewards
 from ppolm.errors import PPOLMError
 from ppolm.judge import Judge
 from ppolm.pairs import Pair
@@ -163,3 +163,89 @@ class RewardModelGuard:
             r.load_state_dict(tensors, m, f"{prefix}.{i}")
             if r.rounds:
                 r.load_into(rm)
+
+
+class PPOWatch:
+    """A PPO run's :class:`RewardModelGuard` (``ppolm ppo --judge``), owned by the run loop
+    (ppolm/ppo.py), which calls it at three points of each step:
+
+    - :meth:`after_update`: the refresh due after this update, its ``rm_refresh/...`` record going into
+      the step's metrics row;
+    - :meth:`check`: the on-policy check due for the policy after ``u`` updates (with the held-out
+      evaluation at ``u``, or every --rm-check-every updates), into eval.jsonl's row ``u`` and into
+      the metrics row of step ``u``, whose rollout that policy samples: the row's ``objective/kl`` is
+      the check's KL. The check of the final policy has no step row (only eval.jsonl's, if any);
+    - :meth:`pending`: the check waiting for step ``u``'s row; it is in the checkpoint, so a resumed
+      run writes the same rows.
+
+    ``trainer``: a :class:`ppolm.ppo_trainer.PPOTrainer` with a judge."""
+
+    def __init__(self, trainer: Any):
+        cfg, r, g = trainer.cfg, trainer.cfg.reward, trainer.cfg.generation
+        self.trainer = trainer
+        self.guard = RewardModelGuard(
+            trainer.rewarder.models, trainer.judge,
+            GuardOptions(r.rm_check_every, r.rm_check_pairs, r.rm_refresh_every, r.rm_refresh_pairs,
+                         r.rm_refresh_steps),
+            seed=cfg.run.seed + 7919, device=trainer.device, precision=trainer.precision,
+            ensemble_rule=r.reward_ensemble, chat_template=cfg.run.chat_template,
+            max_length=g.max_prompt_length + g.response_length + 1)
+        self.sample = self.guard.sampler(trainer.policy, trainer.tokenizer, response_length=g.response_length,
+                                         temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                         chat_template=cfg.run.chat_template, batch_size=cfg.run.eval_batch_size)
+        self.waiting: dict[str, float] = {}
+
+    @classmethod
+    def of(cls, trainer: Any) -> PPOWatch | None:
+        """The run's watch; None without --judge (then nothing of the run changes: no random stream is touched)."""
+        return cls(trainer) if trainer.judge is not None else None
+
+    def _run(self, fn: Any, prompts: Sequence[Any]) -> dict[str, float]:
+        """``fn(raw prompts, sampler, columns)`` with the policy whole (--fsdp) and in eval mode."""
+        columns = {k: [p.extra.get(k) for p in prompts] for k in set().union(*(p.extra for p in prompts))}
+        policy = self.trainer.policy
+        with distributed.gathered(self.trainer.learner.train_model):
+            policy.eval()
+            try:
+                return fn([p.raw for p in prompts], self.sample, columns or None)
+            finally:
+                policy.train()
+
+    def after_update(self, updates: int) -> dict[str, float]:
+        """The refresh due after update ``updates`` (counted from 1): its record, or {}."""
+        if not self.guard.refresh_due(updates):
+            return {}
+        return self._run(self.guard.refresh, self.trainer.prompts)
+
+    def check(self, updates: int, evaluating: bool) -> dict[str, float]:
+        """The check due for the policy after ``updates`` updates (``evaluating``: a held-out evaluation
+        runs then), or {}; kept for step ``updates``'s row. It runs when due even after the last step,
+        where only eval.jsonl shows it: a run extended later with --resume --steps then draws what a
+        longer run drew."""
+        if not self.guard.check_due(updates, evaluating):
+            return {}
+        prompts = self.trainer.eval_prompts or self.trainer.prompts
+        self.waiting = self._run(self.guard.check, prompts)
+        return dict(self.waiting)
+
+    def pending(self) -> dict[str, float]:
+        """The check of this step's policy, for its metrics row (once)."""
+        metrics, self.waiting = self.waiting, {}
+        return metrics
+
+    def checkpoint_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The trainer's checkpoint (``tensors``, ``meta``) with the guard's state added."""
+        t, m = self.guard.state_dict()
+        return {**tensors, **t}, {**meta, "rm_guard": {**m, "pending": self.waiting}}
+
+    def load_checkpoint(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        if "rm_guard" not in meta:
+            raise PPOLMError("the checkpoint was written by a run without --judge; resume with the same options, "
+                             "or start again with --overwrite")
+        self.guard.load_state_dict(tensors, meta["rm_guard"])
+        self.waiting = dict(meta["rm_guard"].get("pending") or {})
+
+    def save(self, out_dir: str | Path) -> list[Path]:
+        """``out_dir/reward_model_refreshed`` (after a refresh; :meth:`RewardModelGuard.save`)."""
+        return self.guard.save(out_dir)

@@ -285,3 +285,24 @@ def test_report_refuses_a_non_run(tmp_path, capsys):
     assert cli.main(["report", "--run-dir", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "nope" in err and "Traceback" not in err
+
+
+def test_onpolicy_agreement_is_plotted_against_kl(tmp_path):
+    """--judge's check: rm/onpolicy_accuracy (with its SE) in KL order, from the evaluations when they
+    hold it, else from the steps' rows; no plot without a check."""
+    from ppolm.report import make_plots, onpolicy_vs_kl
+
+    metrics = [{"step": s, "objective/kl": kl, "objective/scores": 0.0, "rm/onpolicy_accuracy": acc,
+                "rm/onpolicy_accuracy_se": 0.05, "rm/heldout_accuracy": 0.8} for s, kl, acc in
+               ((0, 0.0, 0.8), (1, 2.0, 0.6), (2, 1.0, 0.7))]
+    check = onpolicy_vs_kl(hand_run(tmp_path, [], metrics))
+    assert [(p["step"], p["kl"], p["y"], p["se"]) for p in check["onpolicy"]] == [
+        (0, 0.0, 0.8, 0.05), (2, 1.0, 0.7, 0.05), (1, 2.0, 0.6, 0.05)]
+    assert [p["se"] for p in check["heldout"]] == [0.0] * 3
+    evals = [{"step": 0, "eval/kl": 0.1, "eval/score": 0.0, "rm/onpolicy_accuracy": 0.9}]
+    assert [(p["kl"], p["y"]) for p in onpolicy_vs_kl(hand_run(tmp_path, evals, metrics))["onpolicy"]] == [(0.1, 0.9)]
+    plots = make_plots(hand_run(tmp_path, [], metrics), tmp_path / "plots")
+    assert plots["rm_agreement_vs_kl"][1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "rm_agreement_vs_kl" not in make_plots(hand_run(tmp_path, [], [{k: v for k, v in r.items()
+                                                                            if not k.startswith("rm/")} for r in metrics]),
+                                                  tmp_path / "plots2")
