@@ -21,11 +21,14 @@ tests/test_layers.py keeps the graph free of cycles):
    saving models), ``gold``;
 3. ``distributed`` (torchrun), ``checkpoint``, ``rundir`` (the output-directory guard), ``scaffold``
    (the run every training command shares), ``prefix``, ``critic``, ``trunk``, ``rollout``, ``rewards``,
-   ``tiny`` (tiny random models for tests and benchmarks);
-4. the commands: ``trainloop`` with ``sft``, ``reward_train``, ``dpo``; ``evaluate``; PPO as
-   ``ppo_config``, ``ppo_models``, ``frozen``, ``actor_critic``, ``advantages``, ``ppo_learner``,
-   ``ppo_metrics``, ``ppo_trainer`` (one step), ``ppo_outputs`` and ``ppo`` (the run);
-5. ``alarms``, ``compare``, ``report``, ``demo``, and ``cli`` on top.
+   ``remote`` (reward services over HTTP), ``judge`` (judges: functions and LLMs), ``tiny`` (tiny
+   random models for tests and benchmarks);
+4. the commands: ``trainloop`` with ``sft``, ``pairs`` (preference-pair files), ``reward_train``,
+   ``dpo``; ``evaluate``; ``serve_rm``; ``label_store`` and ``label``; the reward model's checks
+   against a judge, ``rm_check``, ``rm_refresh``, ``rm_guard``; PPO as ``ppo_config``, ``ppo_models``,
+   ``frozen``, ``actor_critic``, ``advantages``, ``ppo_learner``, ``ppo_metrics``, ``ppo_trainer`` (one
+   step), ``ppo_outputs`` and ``ppo`` (the run);
+5. ``alarms``, ``compare``, ``report``, ``demo``, ``docs_gen``, and ``cli`` on top.
 """
 
 from __future__ import annotations
