@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 from ppolm import remote
 from ppolm.errors import PPOLMError
-from ppolm.rewards import ScoreBatch, load_callable, run_async
+from ppolm.rewards import ScoreBatch, accepted_columns, load_callable, run_async
 
 PAIRWISE_PARAMS = ("completions_a", "completions_b")
 
@@ -105,14 +105,7 @@ class Judge:
         return self.llm.unparsed if self.llm is not None else 0
 
     def _kwargs(self, columns: dict[str, list[Any]] | None) -> dict[str, Any]:
-        kwargs = dict(columns or {})
-        try:
-            params = inspect.signature(self.fn).parameters
-            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-                kwargs = {k: v for k, v in kwargs.items() if k in params}
-        except ValueError:
-            pass
-        return kwargs
+        return accepted_columns(self.fn, columns)
 
     def _call(self, **kw: Any) -> Any:
         try:

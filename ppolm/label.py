@@ -26,7 +26,6 @@ import os
 import random
 import re
 import secrets
-import socket
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ from ppolm.errors import PPOLMError
 from ppolm.judge import load_judge
 from ppolm.label_store import BadRequest, LabelStore, ranking_from_labels
 from ppolm.runtime import dtype_of, resolve_device, resolve_precision
+from ppolm.serve_rm import bind
 
 PAGE = Path(__file__).parent / "label_page.html"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -302,19 +302,6 @@ def access_token(cfg: LabelConfig) -> str | None:
                              "least 16 characters (e.g. from `python -c 'import secrets; print(secrets.token_urlsafe())'`)")
         return value
     return None if cfg.host in LOCAL_HOSTS else secrets.token_urlsafe(24)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise PPOLMError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
-    sock.listen(64)
-    return sock
 
 
 # ------------------------------------------------------------------------------------ command

@@ -121,6 +121,19 @@ class ScoreBatch:
     """Each prompt as the policy saw it (chat template applied), decoded alike: a prefix of its query."""
 
 
+def accepted_columns(fn: Callable[..., Any], columns: dict[str, list[Any]] | None) -> dict[str, Any]:
+    """The prompts file's extra columns that ``fn`` accepts as keyword arguments: all of them when it
+    takes ``**kwargs`` (or has no signature to read), else those it names."""
+    kwargs = dict(columns or {})
+    try:
+        params = inspect.signature(fn).parameters
+    except ValueError:
+        return kwargs
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
 @dataclass
 class RewardFunction:
     name: str
@@ -132,14 +145,7 @@ class RewardFunction:
         return is_async_callable(self.fn)
 
     def _kwargs(self, columns: dict[str, list[Any]]) -> dict[str, Any]:
-        kwargs = dict(columns)
-        try:
-            params = inspect.signature(self.fn).parameters
-            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-                kwargs = {k: v for k, v in kwargs.items() if k in params}
-        except ValueError:
-            pass
-        return kwargs
+        return accepted_columns(self.fn, columns)
 
     def __call__(self, prompts: list[Any], completions: list[Any], columns: dict[str, list[Any]]) -> torch.Tensor:
         try:
