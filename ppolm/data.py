@@ -54,8 +54,14 @@ def _read_text(p: Path) -> str:
 
 
 def _read_jsonl(p: Path) -> list[dict[str, Any]]:
+    return parse_jsonl(_read_text(p), p)
+
+
+def parse_jsonl(text: str, p: Path | str) -> list[dict[str, Any]]:
+    """The objects of JSONL ``text`` (read from ``p``), blank lines skipped; a bad line is one error
+    naming the file and the line."""
     rows = []
-    for i, line in enumerate(_read_text(p).splitlines(), start=1):
+    for i, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ppolm.data import parse_jsonl
 from ppolm.errors import PPOLMError
 
 MAX_NOTE = 2000
@@ -120,18 +121,7 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
         print(f"{path}: dropping an unfinished last line ({len(tail)} bytes)", file=sys.stderr)
         with open(path, "r+b") as f:
             f.truncate(len(body) + 1 if body else 0)
-    rows = []
-    for i, line in enumerate(body.decode("utf-8", errors="replace").splitlines() if body else [], start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PPOLMError(f"{path} line {i} is not valid JSON ({e.msg}); fix or remove that line") from None
-        if not isinstance(row, dict):
-            raise PPOLMError(f"{path} line {i} is not a JSON object; fix or remove that line")
-        rows.append(row)
-    return rows
+    return parse_jsonl(body.decode("utf-8", errors="replace") if body else "", path)
 
 
 class BadRequest(Exception):
