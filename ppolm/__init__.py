@@ -28,7 +28,8 @@ tests/test_layers.py keeps the graph free of cycles):
    against a judge, ``rm_check``, ``rm_refresh``, ``rm_guard``; PPO as ``ppo_config``, ``ppo_models``,
    ``frozen``, ``actor_critic``, ``advantages``, ``ppo_learner``, ``ppo_metrics``, ``ppo_trainer`` (one
    step), ``ppo_outputs`` and ``ppo`` (the run);
-5. ``alarms``, ``compare``, ``report``, ``demo``, ``docs_gen``, and ``cli`` on top.
+5. ``alarms``, ``compare``, ``report``, ``demo`` and its long mode ``demo_long``, ``docs_gen``, and ``cli``
+   on top.
 """
 
 from __future__ import annotations

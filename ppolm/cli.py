@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("ppolm.report:ReportConfig", "ppolm.report:run_report", "write report.html and plots for a PPO run"),
     "label": ("ppolm.label:LabelConfig", "ppolm.label:run",
               "rank a policy's answers on a local web page (or with --judge); writes pairs for ppolm reward"),
-    "demo": ("ppolm.demo:DemoConfig", "ppolm.demo:run", "the whole RLHF pipeline on the embedded model, showing over-optimisation"),
+    "demo": ("ppolm.demo:DemoConfig", "ppolm.demo_long:run", "the whole RLHF pipeline on the embedded model, showing over-optimisation"),
 }
 
 

@@ -181,38 +181,48 @@ def summarise(runs: dict[str, tuple[Path, dict[str, Any], dict[str, Any]]], gold
         if not rows:
             continue
         points = [{"step": r["step"], "kl": r.get("eval/kl"), "gold": r[gold], "gold_se": r.get(gold + "_se"),
-                   "proxy": r.get(proxy), "proxy_se": r.get(proxy + "_se")} for r in rows]
+                   "proxy": r.get(proxy), "proxy_se": r.get(proxy + "_se"),
+                   "agreement": r.get("rm/onpolicy_accuracy"), "agreement_se": r.get("rm/onpolicy_accuracy_se")}
+                  for r in rows]
         best = max(points, key=lambda p: p["gold"])
         table[name] = {"points": points, "best": best, "start": points[0], "end": points[-1],
                        "gain": best["gold"] - points[0]["gold"], "settings": settings, **cost}
     return table
 
 
-def plot(comparison: dict[str, Any], path: Path) -> None:
-    """Gold and proxy reward against KL, one line per algorithm (points in evaluation order,
-    the best gold circled)."""
+def plot(comparison: dict[str, Any], path: Path, labels: dict[str, str] | None = None) -> None:
+    """Gold and proxy reward against KL, one line per algorithm (points in evaluation order, the best
+    gold circled); a third panel with the proxy's on-policy agreement with the judge where the runs
+    checked it (``ppolm ppo --judge``). ``labels`` renames the runs in the legends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.2))
+    keys = ["gold", "proxy"]
+    if any(p.get("agreement") is not None for c in comparison.values() for p in c["points"]):
+        keys.append("agreement")
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.8 * len(keys), 4.2))
     for name, c in comparison.items():
         pts = [p for p in c["points"] if p["kl"] is not None]
-        for ax, key in zip(axes, ("gold", "proxy")):
-            ys = [p[key] for p in pts]
-            if any(y is None for y in ys):
+        for ax, key in zip(axes, keys):
+            sub = [p for p in pts if p.get(key) is not None]
+            if not sub or (key != "agreement" and len(sub) < len(pts)):
                 continue
-            se = [p[key + "_se"] or 0.0 for p in pts]
-            line = ax.errorbar([p["kl"] for p in pts], ys, yerr=se, marker="o", capsize=2, lw=1.2, label=name)
+            line = ax.errorbar([p["kl"] for p in sub], [p[key] for p in sub],
+                               yerr=[p.get(key + "_se") or 0.0 for p in sub], marker="o", capsize=2, lw=1.2,
+                               label=(labels or {}).get(name, name))
             if key == "gold":
                 ax.scatter([c["best"]["kl"]], [c["best"]["gold"]], s=150, facecolors="none",
                            edgecolors=line[0].get_color(), zorder=3)
-    axes[0].set(xlabel="KL(policy || start), nats per response (held-out)", ylabel="gold reward (mean ± SE)",
-                title="Gold reward vs KL (circled: best)")
-    axes[1].set(xlabel="KL(policy || start), nats per response (held-out)", ylabel="proxy reward (mean ± SE)",
-                title="Proxy reward vs KL")
-    for ax in axes:
+    kl = "KL(policy || start), nats per response (held-out)"
+    titles = {"gold": ("gold reward (mean ± SE)", "Gold reward vs KL (circled: best)"),
+              "proxy": ("proxy reward (mean ± SE)", "Proxy reward vs KL"),
+              "agreement": ("proxy's agreement with the judge (± SE)", "Proxy vs judge on the policy's answers")}
+    for ax, key in zip(axes, keys):
+        ax.set(xlabel=kl, ylabel=titles[key][0], title=titles[key][1])
+        if key == "agreement":
+            ax.axhline(0.5, color="grey", ls=":", lw=1)
         ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -234,3 +244,45 @@ def table_html(comparison: dict[str, Any], esc: Any, num: Any) -> str:
     return ("<table><tr><th>algorithm</th><th>best gold<br>(± SE)</th><th>its KL</th><th>at step<br>/epoch</th>"
             "<th>gain over<br>the start</th><th>gold at<br>the end</th><th>wall s</th><th>peak RSS<br>MB</th>"
             f"<th>settings beyond<br>the demo's PPO ones</th></tr>{''.join(rows)}</table>")
+
+
+LONG_LABELS = {"ppo": "static proxy", "refresh": "refreshed proxy"}
+"""``ppolm demo --overoptimisation``'s two runs as the report names them."""
+
+
+def long_html(demo: dict[str, Any], esc: Any, num: Any) -> str:
+    """``ppolm demo --overoptimisation``'s table (ppolm/demo_long.py): for the static and the refreshed
+    run, the best-gold evaluation, the best and final policies scored again on fresh samples, the fall
+    after the peak (paired), the on-policy agreement of the proxy with the judge at the first and last
+    evaluation, and what the refresh spent."""
+    long, comp = demo.get("overoptimisation") or {}, demo.get("comparison") or {}
+    conf = long.get("confirm") or {}
+    scores, fall = conf.get("scores", {}), conf.get("fall_after_best", {})
+
+    def pm(d: dict[str, Any] | None) -> str:
+        return f"{num(d['mean'])} ± {num(d['se'])}" if d else "–"
+
+    rows = []
+    for name, key in (("ppo", "static"), ("refresh", "refresh")):
+        c, r = comp.get(name), (long.get("runs") or {}).get(key, {})
+        if not c:
+            continue
+        b, e = c["best"], c["end"]
+        agree = [p for p in c["points"] if p.get("agreement") is not None]
+        first_last = (f"{num(agree[0]['agreement'], 2)} → {num(agree[-1]['agreement'], 2)}" if agree else "–")
+        secs = r.get("refresh_seconds") or []
+        spent = (f"{r.get('refresh_judge_calls', 0)} labels, {len(secs)} refreshes, "
+                 f"{num(sum(secs) / len(secs), 0)} s each" if secs else "–")
+        rows.append(f"<tr><td>{esc(LONG_LABELS[name])}</td><td class=num>{num(b['gold'])} ± {num(b['gold_se'])}"
+                    f"</td><td class=num>{esc(b['step'])}</td><td class=num>{num(b['kl'], 2)}</td>"
+                    f"<td class=num>{pm(scores.get(key + '_best'))}</td><td class=num>{pm(scores.get(key + '_end'))}"
+                    f"</td><td class=num>{num(e['kl'], 2)}</td><td class=num>{pm(fall.get(key))}</td>"
+                    f"<td class=num>{first_last}</td><td>{esc(spent)}</td>"
+                    f"<td class=num>{num(c.get('wall_s'), 0)}</td></tr>")
+    start = scores.get("before")
+    return ("<table><tr><th>run</th><th>best gold in run<br>(± SE)</th><th>at step</th><th>its KL</th>"
+            "<th>best, fresh<br>samples</th><th>end, fresh<br>samples</th><th>KL at<br>the end</th>"
+            "<th>best − end<br>(paired)</th><th>on-policy<br>agreement</th><th>judge labels<br>spent</th>"
+            f"<th>wall s</th></tr>{''.join(rows)}</table>"
+            + (f"<p class=small>Starting policy on the same fresh samples: {pm(start)}.</p>" if start else "")
+            + (f"<p><b>{esc(long['verdict'])}</b></p>" if long.get("verdict") else ""))

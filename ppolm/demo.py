@@ -5,8 +5,9 @@ Stages (each prints its progress; finished stages are kept, so ``--resume`` cont
 1. **task**: short product/film review prompts (train and held-out items disjoint) and the gold
    judge of :mod:`ppolm.gold`, a deterministic stand-in for a human rater;
 2. **pairs**: K = 6 responses per training prompt (quick: 4) sampled from the starting policy at
-   temperature 1, every two of them compared (C(K, 2) = 15 pairs per prompt, as InstructGPT's
-   rankings), each label a Bradley-Terry draw from the gold difference (noisy, like human labels);
+   the temperature PPO samples at (0.7: the proxy learns to rank what PPO starts from), every two of
+   them compared (C(K, 2) = 15 pairs per prompt, as InstructGPT's rankings), each label a
+   Bradley-Terry draw from the gold difference (noisy, like human labels);
 3. **proxy reward model**: ``ppolm reward`` on those pairs (each prompt's comparisons as one item,
    ``--group-by-prompt``), held-out accuracy reported, then normalised to mean 0 / std 1 on the same
    starting-policy samples;
@@ -53,7 +54,7 @@ from ppolm.tracking import read_jsonl
 RM_DIR = "proxy_rm"  # its name is the proxy's metric name: eval/proxy_rm
 GOLD_METRIC = "eval/gold_judge"
 OWN_FILES = ("demo.json", "prompts_train.jsonl", "prompts_eval.jsonl", "pairs_train.jsonl", "pairs_eval.jsonl",
-             RM_DIR, "algorithm.json")
+             RM_DIR, "algorithm.json", "refresh")
 
 
 @dataclass
@@ -80,6 +81,8 @@ class DemoConfig:
     """Log lines instead of progress bars."""
     threads: int = 0
     """CPU threads for torch; 0 = auto: every core, or 1 when the machine is already busy (load average >= cores). why: docs/defaults.md#threads"""
+    overoptimisation: bool = False
+    """A longer run (about 40 minutes on 2 CPU cores): PPO against the static proxy until gold falls, then refreshing it. more: docs/demo.md#the-long-mode"""
     algorithms: str = "ppo"
     """Algorithms to compare, comma-separated: ppo plus any of grpo, dr-grpo, rloo, reinforce++(-baseline), remax, dpo. more: docs/demo.md#head-to-head"""
 
@@ -144,8 +147,10 @@ class Demo:
                 raise PPOLMError(f"--output-dir {out} holds no demo to resume (no demo.json); choose another directory")
             self.state = json.loads((out / "demo.json").read_text())
             if self.state.get("quick") != self.cfg.quick or self.state.get("seed") != self.cfg.seed or \
-                    self.state.get("algorithms", ["ppo"]) != self.algorithms:
+                    self.state.get("algorithms", ["ppo"]) != self.algorithms or \
+                    bool(self.state.get("overoptimisation")) != self.cfg.overoptimisation:
                 raise PPOLMError(f"{out} holds a demo run with different options (quick={self.state.get('quick')}, "
+                                 f"overoptimisation={bool(self.state.get('overoptimisation'))}, "
                                  f"seed={self.state.get('seed')}, algorithms="
                                  f"{','.join(self.state.get('algorithms', ['ppo']))}); resume with those, or use "
                                  "--overwrite")
@@ -512,7 +517,8 @@ class Demo:
             self.save_state()
             done = ", ".join(self.state["done"]) or "nothing"
             say(f"\ninterrupted during stage '{self.current}'; kept in {self.out}: {done}. Continue with: "
-                f"ppolm demo --output-dir {self.out} --resume" + (" --quick" if self.cfg.quick else ""))
+                f"ppolm demo --output-dir {self.out} --resume" + (" --quick" if self.cfg.quick else "")
+                + (" --overoptimisation" if self.cfg.overoptimisation else ""))
             return 130
         except OSError as e:
             if e.errno == errno.ENOSPC:
@@ -526,6 +532,3 @@ class Demo:
         say(f"demo finished in {total / 60:.1f} min; open {self.out / 'report.html'} in a browser")
         return 0
 
-
-def run(cfg: DemoConfig) -> int:
-    return Demo(cfg).run()

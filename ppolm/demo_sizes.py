@@ -34,8 +34,10 @@ class Sizes:
     kl_coef_min: float = 0.0
     responses_per_prompt: int = 4
     """K responses per training prompt, ranked by the labeller: C(K, 2) pairs each (InstructGPT used K = 4..9)."""
-    pair_temperature: float = 1.0
-    """Sampling temperature of the responses to compare (diverse responses make informative comparisons)."""
+    pair_temperature: float = 0.7
+    """Sampling temperature of the responses to compare: PPO's own (0.7), so that the proxy learns to rank
+    the answers PPO starts from. At 1.0 the pairs were less fluent than PPO's samples, and on 2 of 3
+    seeds PPO drove the proxy up from step 0 while gold fell (docs/demo.md#how-steady-the-verdict-is)."""
     length_penalty: float = 0.0
     """PPO's length penalty per response token beyond ``length_budget`` (in units of the normalised proxy
     reward), the seeds' mitigation against length drift. Off: the proxy already prefers short answers
@@ -64,3 +66,29 @@ FULL = Sizes(train_prompts=48, eval_prompts=32, rm_eval_fraction=0.25, rm_layers
 QUICK = Sizes(train_prompts=16, eval_prompts=8, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=2, rm_lr=3e-4,
               policy_layers=4, lora_r=16, steps=3, eval_every=3, batch_size=8, response_length=24, ppo_epochs=2,
               actor_lr=5e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15, confirm_samples=1)
+
+
+@dataclass
+class LongSizes:
+    """``ppolm demo --overoptimisation``: the two PPO runs (static proxy, refreshed proxy) on top of
+    :data:`FULL`'s task, pairs and proxy, and the refresh's schedule."""
+
+    steps: int
+    """PPO steps of each run: long enough that gold peaks and falls against the static proxy."""
+    eval_every: int
+    kl_target: float
+    """The KL budget both runs share: loose, so that the static run can pass gold's peak."""
+    kl_coef: float
+    actor_lr: float
+    check_pairs: int
+    """Answer pairs of the on-policy check of the proxy against the judge, at each evaluation."""
+    refresh_every: int
+    refresh_pairs: int
+    refresh_steps: int
+    confirm_samples: int = 4
+
+
+LONG = LongSizes(steps=24, eval_every=3, kl_target=30.0, kl_coef=0.01, actor_lr=3e-4, check_pairs=32,
+                 refresh_every=4, refresh_pairs=48, refresh_steps=24)
+LONG_QUICK = LongSizes(steps=4, eval_every=2, kl_target=30.0, kl_coef=0.01, actor_lr=5e-4, check_pairs=8,
+                       refresh_every=2, refresh_pairs=8, refresh_steps=4, confirm_samples=1)

@@ -10,8 +10,8 @@ warm review" would. In numbers, for a response of ``w`` words::
            - 1 if the response is empty
 
 A *proxy* reward model trained on a few hundred noisy comparisons by this judge learns the easy
-part, length, and little of the rest: on the demo's ~200 distinct training responses, a linear
-read-out of SmolLM2's last-token state orders held-out pairs by the length term 83% of the time
+part, length, and little of the rest: on ~200 distinct training responses sampled at temperature 1,
+a linear read-out of SmolLM2's last-token state orders held-out pairs by the length term 83% of the time
 and by the sentiment term 58% (measured; with 0.04 per word beyond 15, sentiment dominated the
 judge and the trained proxies came out at 0.50-0.54 against it). So PPO against the proxy can find
 responses the proxy likes and the judge does not: terse, flat or empty ones. That gap is Goodhart's law

@@ -455,7 +455,20 @@ def write_report(run_dir: str | Path) -> Path:
         f"<figure><img src=\"data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}\" alt=\"{_e(n)}\">"
         f"<figcaption>{_e(c)}</figcaption></figure>" for n, (c, p) in plots.items())
     compared = ""
-    if run.demo and run.demo.get("comparison"):
+    if run.demo and run.demo.get("overoptimisation") and run.demo.get("comparison"):
+        png = run.dir / "plots" / "static_vs_refreshed.png"
+        compare.plot(run.demo["comparison"], png, compare.LONG_LABELS)
+        compared = (
+            "<h2>Static proxy against refreshed proxy</h2><p>The same PPO settings and KL budget twice: against "
+            "the proxy as trained, and with the proxy refreshed every few steps on pairs of the policy's "
+            "answers labelled by the judge. The refreshed run's proxy curve is in the units of the proxy of the "
+            "moment (re-normalised at each refresh). Its own report: <code>refresh/report.html</code>.</p>"
+            + compare.long_html(run.demo, _e, _f)
+            + f"<figure><img src=\"data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}\" "
+              "alt=\"static_vs_refreshed\"><figcaption>Gold reward, proxy reward and the proxy's agreement with "
+              "the judge on each policy's own answers, against KL to the starting policy (±1 SE).</figcaption>"
+              "</figure>")
+    elif run.demo and run.demo.get("comparison"):
 
         png = run.dir / "plots" / "algorithms_vs_kl.png"
         compare.plot(run.demo["comparison"], png)
