@@ -115,6 +115,15 @@ def mean_se(xs: list[float]) -> dict[str, float]:
 
 
 class Demo:
+    gold_metric = GOLD_METRIC
+    """The held-out metric of the gold judge: ``eval/`` and the judge function's name."""
+    judge_spec = "ppolm.gold:gold_judge"
+    judge_description = JUDGE_DESCRIPTION
+
+    def gold(self, text: str) -> float:
+        """The gold judge on one response (ppolm/gold.py)."""
+        return gold_score(text)
+
     def __init__(self, cfg: DemoConfig):
         cfg.validate()
         self.cfg = cfg
@@ -195,9 +204,9 @@ class Demo:
         write_jsonl(self.out / "prompts_eval.jsonl", [{"prompt": p} for p in held])
         self.state.update(task="Write a short review of a product or film named in the prompt (e.g. "
                                f"'{train[0]}'). {len(train)} training prompts; {len(held)} held-out prompts "
-                               "about items never seen in training.", judge=JUDGE_DESCRIPTION,
-                          gold_metric=GOLD_METRIC)
-        say(f"      {len(train)} training prompts, {len(held)} held-out; gold judge: {JUDGE_DESCRIPTION}")
+                               "about items never seen in training.", judge=self.judge_description,
+                          gold_metric=self.gold_metric)
+        say(f"      {len(train)} training prompts, {len(held)} held-out; gold judge: {self.judge_description}")
 
     def pairs(self) -> None:
         import torch
@@ -222,7 +231,7 @@ class Demo:
                     a, b = texts[j * k + a_i], texts[j * k + b_i]
                     if a.strip() == b.strip() or not a.strip() or not b.strip():
                         continue  # identical responses prefer nothing; an empty one is no review
-                    ga, gb = gold_score(a), gold_score(b)
+                    ga, gb = self.gold(a), self.gold(b)
                     a_wins = rng.random() < 1 / (1 + math.exp(-(ga - gb) / s.label_temperature))
                     chosen, rejected = (a, b) if a_wins else (b, a)
                     gc, gr = (ga, gb) if a_wins else (gb, ga)
@@ -238,7 +247,7 @@ class Demo:
         write_jsonl(self.out / "pairs_train.jsonl", train)
         write_jsonl(self.out / "pairs_eval.jsonl", held)
         self.state.update(label_agreement=agree / max(1, n_pairs), n_pairs=n_pairs, rm_accuracy_n=len(held),
-                          responses_per_prompt=k, sample_gold=mean_se([gold_score(x) for x in texts]))
+                          responses_per_prompt=k, sample_gold=mean_se([self.gold(x) for x in texts]))
         say(f"      {n_pairs} pairs from {k} responses per prompt ({len(train)} train, {len(held)} held-out on "
             f"{n_eval_prompts} prompts); labels agree with the gold ordering on {agree / max(1, n_pairs):.0%} "
             f"(Bradley-Terry noise, T={s.label_temperature})")
@@ -285,7 +294,7 @@ class Demo:
         options = dict(
             model=self.cfg.model, reward_model=[str(self.out / RM_DIR)], critic_init="reward", temperature=0.7,
             prompts=str(self.out / "prompts_train.jsonl"), eval_prompts=str(self.out / "prompts_eval.jsonl"),
-            eval_every=s.eval_every, eval_reward_fn=["ppolm.gold:gold_judge"], best_metric=GOLD_METRIC,
+            eval_every=s.eval_every, eval_reward_fn=[self.judge_spec], best_metric=self.gold_metric,
             steps=s.steps, batch_size=s.batch_size, ppo_epochs=s.ppo_epochs,
             response_length=s.response_length, actor_lr=s.actor_lr, lora_r=s.lora_r, minibatches=s.minibatches,
             critic_zero_head=s.critic_zero_head,
@@ -313,7 +322,7 @@ class Demo:
 
         def check(rows: list[dict[str, Any]]) -> list[alarms.Alarm]:
             # the per-step alarms are ppolm ppo's own (live); the demo adds the one that needs its gold judge
-            a = alarms.over_optimisation(read_jsonl(out / "eval.jsonl"), proxy=proxy, gold=GOLD_METRIC)
+            a = alarms.over_optimisation(read_jsonl(out / "eval.jsonl"), proxy=proxy, gold=self.gold_metric)
             return [a] if a else []
 
         with alarms.AlarmWatcher(out / "metrics.jsonl", check):
@@ -380,7 +389,7 @@ class Demo:
             torch.manual_seed(cfg.seed + 2_000_029)  # the same fresh stream for both policies
             with policy.disable_adapter() if which == "before" else contextlib.nullcontext():
                 texts = self.sample(policy, tok, jobs, temperature)
-            scores[which] = [gold_score(x) for x in texts]
+            scores[which] = [self.gold(x) for x in texts]
             say(f"      {which}: {len(texts)} fresh responses scored ({time.perf_counter() - t:.0f}s)")
         k = s.confirm_samples
         per_prompt = {w: [sum(v[j * k:(j + 1) * k]) / k for j in range(len(prompts))] for w, v in scores.items()}
@@ -423,7 +432,7 @@ class Demo:
         best = json.loads((self.out / "best.json").read_text()) if (self.out / "best.json").is_file() else None
 
         def at(row: dict[str, Any]) -> dict[str, Any]:
-            return {"mean": row[GOLD_METRIC], "se": row.get(GOLD_METRIC + "_se"), "step": row["step"],
+            return {"mean": row[self.gold_metric], "se": row.get(self.gold_metric + "_se"), "step": row["step"],
                     "kl": row.get("eval/kl"), "proxy": row.get(f"eval/{RM_DIR}")}
 
         gold: dict[str, Any] = {"before": at(evals[0]), "end": at(evals[-1])}
@@ -436,7 +445,7 @@ class Demo:
                                       for n in self.others}}
             runs = {n: (self.out if n == "ppo" else self.out / n, settings[n], self.state.get("costs", {}).get(n, {}))
                     for n in self.algorithms}
-            self.state["comparison"] = compare.summarise(runs, GOLD_METRIC, f"eval/{RM_DIR}")
+            self.state["comparison"] = compare.summarise(runs, self.gold_metric, f"eval/{RM_DIR}")
         if gold.get("best"):
             b, a = gold["best"], gold["before"]
             gain, se_unpaired = b["mean"] - a["mean"], math.hypot(b["se"] or 0.0, a["se"] or 0.0)
@@ -481,7 +490,7 @@ class Demo:
         by_step: dict[int, dict[str, float]] = {}
         for r in read_jsonl(self.out / "eval_samples.jsonl"):
             key = r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"])
-            by_step.setdefault(r["step"], {})[key] = r["scores"][GOLD_METRIC.removeprefix("eval/")]
+            by_step.setdefault(r["step"], {})[key] = r["scores"][self.gold_metric.removeprefix("eval/")]
         before, after = by_step.get(0, {}), by_step.get(step, {})
         return [after[p] - before[p] for p in before if p in after]
 

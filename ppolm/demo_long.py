@@ -1,7 +1,8 @@
 """``ppolm demo --overoptimisation``: Gao's whole curve, and the refresh that lifts it.
 
-The demo's task, pairs and proxy reward model (:mod:`ppolm.demo`), then two PPO runs with the same
-budget of sampled responses and the same loose KL budget (:data:`ppolm.demo_sizes.LONG`):
+The demo's task, pairs and proxy reward model (:mod:`ppolm.demo`), rated by the demo's gold judge
+with a floor on length (:func:`ppolm.gold.review_score`), then two PPO runs with the same budget of
+sampled responses and the same loose KL budget (:data:`ppolm.demo_sizes.LONG`):
 
 1. **static**: against the proxy as it was trained, long enough that held-out gold rises, peaks and
    falls while the proxy keeps rising (Gao, Schulman & Hilton 2022, arXiv:2210.10760);
@@ -9,8 +10,8 @@ budget of sampled responses and the same loose KL budget (:data:`ppolm.demo_size
    answers labelled by the judge (``ppolm ppo --rm-refresh-every``, docs/overoptimisation.md).
 
 Both runs check the proxy against the judge on their own answers at each evaluation
-(``rm/onpolicy_accuracy``). The judge is the demo's gold judge with the label noise of the proxy's
-own pairs: it stands for the people who labelled them. Afterwards the starting policy and each run's
+(``rm/onpolicy_accuracy``). The judge is that rater with the label noise of the proxy's own pairs:
+it stands for the people who labelled them. Afterwards the starting policy and each run's
 best-gold and final policies are scored again on fresh samples (common random numbers, so that the
 per-prompt differences are paired), and ``report.html`` overlays the two runs against KL.
 """
@@ -22,21 +23,30 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from ppolm import models
-from ppolm.demo import GOLD_METRIC, RM_DIR, Demo, DemoConfig, mean_se, say
+from ppolm.demo import RM_DIR, Demo, DemoConfig, mean_se, say
 from ppolm.demo_sizes import LONG, LONG_QUICK
 from ppolm.errors import PPOLMError
-from ppolm.gold import gold_score
+from ppolm.gold import REVIEW_JUDGE_DESCRIPTION, review_score
 from ppolm.report import write_report
 from ppolm.tracking import read_jsonl
 
 REFRESH = "refresh"
 """The refreshed run's directory in --output-dir (the static run is the demo's own PPO run)."""
-JUDGE = "ppolm.gold:gold_judge"
 POLICIES = ("before", "static_best", "static_end", "refresh_best", "refresh_end")
 
 
 class LongDemo(Demo):
-    """The demo with a second PPO run whose proxy is refreshed (module docstring)."""
+    """The demo with a second PPO run whose proxy is refreshed (module docstring). Its rater is the
+    demo's gold judge with a floor on length (:func:`ppolm.gold.review_score`): the demo's judge takes
+    "Awesome." for a good review, and against it the proxy's favourite one-word answers plateau
+    instead of falling."""
+
+    gold_metric = "eval/review_judge"
+    judge_spec = "ppolm.gold:review_judge"
+    judge_description = REVIEW_JUDGE_DESCRIPTION
+
+    def gold(self, text: str) -> float:
+        return review_score(text)
 
     def __init__(self, cfg: DemoConfig):
         if cfg.algorithms.replace(" ", "") != "ppo":
@@ -61,7 +71,7 @@ class LongDemo(Demo):
         """The demo's PPO options with the judge checking the proxy at each evaluation; the refreshed
         run also refreshes it (same judge, same label noise as the proxy's pairs)."""
         s, lg = self.sizes, self.long
-        options = {**super().ppo_options(name), "judge": JUDGE, "judge_temperature": s.label_temperature,
+        options = {**super().ppo_options(name), "judge": self.judge_spec, "judge_temperature": s.label_temperature,
                    "rm_check_pairs": lg.check_pairs}
         if name == REFRESH:
             options.update(rm_refresh_every=lg.refresh_every, rm_refresh_pairs=lg.refresh_pairs,
@@ -96,7 +106,7 @@ class LongDemo(Demo):
             policy = base if which == "before" else PeftModel.from_pretrained(base, str(adapters[which] /
                                                                                       "policy_adapter"))
             torch.manual_seed(cfg.seed + 2_000_029)  # the same fresh stream for every policy
-            scores = [gold_score(x) for x in self.sample(policy.eval(), tok, jobs, temperature)]
+            scores = [self.gold(x) for x in self.sample(policy.eval(), tok, jobs, temperature)]
             per_prompt[which] = [sum(scores[j * k:(j + 1) * k]) / k for j in range(len(prompts))]
             say(f"      {which}: {len(scores)} fresh responses, gold {mean_se(per_prompt[which])['mean']:+.3f}")
 
@@ -120,7 +130,7 @@ class LongDemo(Demo):
     # ------------------------------------------------------------------------------------ report
     def summarise(self) -> None:
         long = self.state["overoptimisation"]
-        long["runs"] = {name: run_summary(self.out if name == "static" else self.out / REFRESH)
+        long["runs"] = {name: run_summary(self.out if name == "static" else self.out / REFRESH, self.gold_metric)
                         for name in ("static", REFRESH)}
         long["verdict"] = verdict(long)
         self.save_state()
@@ -129,12 +139,12 @@ class LongDemo(Demo):
         say(long["verdict"])
 
 
-def run_summary(run_dir: Any) -> dict[str, Any]:
+def run_summary(run_dir: Any, gold: str) -> dict[str, Any]:
     """One run's curve from its eval.jsonl (held-out gold, proxy, KL and the on-policy agreement at each
     evaluation), its best-gold evaluation, and what its judge cost (metrics.jsonl)."""
-    evals = [r for r in read_jsonl(run_dir / "eval.jsonl") if GOLD_METRIC in r]
+    evals = [r for r in read_jsonl(run_dir / "eval.jsonl") if gold in r]
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    points = [{"step": r["step"], "kl": r.get("eval/kl"), "gold": r[GOLD_METRIC], "gold_se": r.get(GOLD_METRIC + "_se"),
+    points = [{"step": r["step"], "kl": r.get("eval/kl"), "gold": r[gold], "gold_se": r.get(gold + "_se"),
                "proxy": r.get(f"eval/{RM_DIR}"), "agreement": r.get("rm/onpolicy_accuracy"),
                "agreement_se": r.get("rm/onpolicy_accuracy_se")} for r in evals]
     refreshes = [r for r in rows if "rm_refresh/seconds" in r]

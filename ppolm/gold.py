@@ -64,6 +64,30 @@ def gold_judge(prompts: list[Any], completions: list[Any], **kwargs: Any) -> lis
     return [gold_score(completion_text(c)) for c in completions]
 
 
+MIN_WORDS = 5
+PER_MISSING_WORD = 0.2
+
+REVIEW_JUDGE_DESCRIPTION = (
+    JUDGE_DESCRIPTION.removesuffix(" Deterministic; higher is better.")
+    + f" - {PER_MISSING_WORD} per word short of {MIN_WORDS} words (a review is at least a short sentence). "
+    "Deterministic; higher is better.")
+
+
+def review_score(text: str) -> float:
+    """:func:`gold_score` with a floor on length: minus ``PER_MISSING_WORD`` per word short of
+    ``MIN_WORDS``. The rater of ``ppolm demo --overoptimisation``: asked for a short review, a person
+    does not count "Awesome." as one. The starting policy's answers are longer than that, so the
+    proxy's pairs hardly show the floor, and a proxy that learnt "shorter is better" keeps rewarding
+    answers past it: gold then peaks and falls as Gao et al. describe."""
+    score = gold_score(text)
+    return score - PER_MISSING_WORD * max(0, MIN_WORDS - len(text.split())) if text.strip() else score
+
+
+def review_judge(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    """:func:`review_score` of each completion (TRL convention); the prompt is not used."""
+    return [review_score(completion_text(c)) for c in completions]
+
+
 # ------------------------------------------------------------------------------------ prompts
 
 FILMS = [

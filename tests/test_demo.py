@@ -21,6 +21,16 @@ def test_gold_judge_is_deterministic_and_penalises():
     assert gold.gold_judge(["p"], [[{"role": "assistant", "content": good}]]) == [gold.gold_score(good)]
 
 
+def test_review_judge_adds_a_floor_on_length():
+    # the long demo's rater: gold minus 0.2 per word short of 5 words; empty answers as gold (-1)
+    for text, missing in (("Awesome.", 4), ("Awesome movie!", 3), ("A lovely, reliable kettle.", 1),
+                          ("A lovely, reliable kettle. I really like it.", 0)):
+        assert abs(gold.review_score(text) - (gold.gold_score(text) - 0.2 * missing)) < 1e-12, text
+    assert gold.review_score("  ") == -1.0
+    assert gold.review_judge(["p"], ["Awesome."]) == [gold.review_score("Awesome.")]
+    assert gold.review_score("Awesome.") < gold.review_score("A lovely, reliable kettle. I really like it.")
+
+
 def test_prompts_are_disjoint_between_train_and_held_out():
     train, held = gold.review_prompts(80, 24, seed=0)
     assert len(train) == 80 and len(held) == 24 and not set(train) & set(held)

@@ -25,7 +25,7 @@ def test_long_demo_runs_static_and_refreshed_proxy(tiny_policy_dir, tmp_path, mo
 
     # the same PPO settings and KL budget; only the refreshed run refreshes, both check the proxy
     static_cfg, refresh_cfg = (out / "config.yaml").read_text(), (out / "refresh" / "config.yaml").read_text()
-    for line in ("kl_target: 30.0", "steps: 4", "judge: ppolm.gold:gold_judge", "rm_check_pairs: 4"):
+    for line in ("kl_target: 30.0", "steps: 4", "judge: ppolm.gold:review_judge", "rm_check_pairs: 4"):
         assert line in static_cfg and line in refresh_cfg, line
     assert "rm_refresh_every: 0" in static_cfg and "rm_refresh_every: 2" in refresh_cfg
     assert (out / "refresh" / "reward_model_refreshed").is_dir() and not (out / "reward_model_refreshed").exists()
