@@ -61,7 +61,7 @@ class Sizes:
 
 FULL = Sizes(train_prompts=48, eval_prompts=32, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=3, rm_lr=3e-4,
              policy_layers=8, lora_r=16, steps=8, eval_every=2, batch_size=32, minibatches=4, response_length=32,
-             ppo_epochs=2, actor_lr=2e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15, responses_per_prompt=6,
+             ppo_epochs=2, actor_lr=4e-4, kl_coef=0.02, kl_target=6.0, label_temperature=0.15, responses_per_prompt=6,
              length_penalty=0.0)
 QUICK = Sizes(train_prompts=16, eval_prompts=8, rm_eval_fraction=0.25, rm_layers=2, rm_epochs=2, rm_lr=3e-4,
               policy_layers=4, lora_r=16, steps=3, eval_every=3, batch_size=8, response_length=24, ppo_epochs=2,

@@ -121,6 +121,7 @@ EVAL_METRICS: dict[str, str] = {
     "eval/<source>": "each reward source's raw mean score, and every `--eval-reward-fn` scorer's.",
     "eval/<source>_se": "its standard error.",
     "eval/gold_judge": "(`ppolm demo`) the gold judge's score, the demo's measure of true quality.",
+    "eval/review_judge": "(`ppolm demo --overoptimisation`) its rater: the gold judge minus 0.2 per word short of 5 words.",
     "rm/<name>": "(`--judge`) the on-policy reward-model check of the evaluated policy (the `rm/` metrics of "
                  "metrics.jsonl).",
     "time/rm_check": "seconds that check took.",
