@@ -151,10 +151,10 @@ def run_summary(run_dir: Any, gold: str) -> dict[str, Any]:
     checks = sum(r.get("rm/onpolicy_judge_calls", 0) for r in evals)
     return {"points": points, "best": max(points, key=lambda p: p["gold"]) if points else None,
             "end": points[-1] if points else None, "refreshes": len(refreshes),
-            "refresh_judge_calls": sum(r.get("rm_refresh/judge_calls", 0) for r in refreshes),
+            "refresh_judge_calls": int(sum(r.get("rm_refresh/judge_calls", 0) for r in refreshes)),
             "refresh_seconds": [r["rm_refresh/seconds"] for r in refreshes],
-            "refresh_pairs_added": sum(r.get("rm_refresh/pairs_added", 0) for r in refreshes),
-            "check_judge_calls": checks}
+            "refresh_pairs_added": int(sum(r.get("rm_refresh/pairs_added", 0) for r in refreshes)),
+            "check_judge_calls": int(checks)}
 
 
 def verdict(long: dict[str, Any]) -> str:
