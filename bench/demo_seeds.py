@@ -60,10 +60,10 @@ def row(run_dir: Path) -> str:
              "yes" if g.get("beats_2se") else "NO", f"{minutes:.1f}"]
     long = d.get("overoptimisation") or {}
     if long.get("confirm"):
-        sc, runs = long["confirm"]["scores"], long.get("runs", {})
+        sc, runs, comp = long["confirm"]["scores"], long.get("runs", {}), d.get("comparison", {})
         diff = long["confirm"]["refresh_minus_static"]["best"]
-        for name in ("static", "refresh"):
-            b = runs.get(name, {}).get("best") or {}
+        for name, run in (("static", "ppo"), ("refresh", "refresh")):
+            b = comp.get(run, {}).get("best") or {}
             cells += [f"{sc[name + '_best']['mean']:+.3f} ± {sc[name + '_best']['se']:.3f}",
                       f"{b.get('kl', float('nan')):.2f}",
                       f"{sc[name + '_end']['mean']:+.3f} ± {sc[name + '_end']['se']:.3f}"]

@@ -368,35 +368,39 @@ class Demo:
         random stream (common random numbers), so their per-prompt difference is less noisy."""
         import contextlib
 
-        import torch
         from peft import PeftModel
-
 
         adapter = self.out / "best" / "policy_adapter"
         if not adapter.is_dir():
             say("      no best-gold checkpoint was saved; nothing to confirm")
             return
-        s, cfg = self.sizes, self.cfg
+        cfg = self.cfg
         temperature = self.ppo_temperature()
         tok = models.load_tokenizer(cfg.model)
         base = models.load_causal_lm(cfg.model, dtype=self.dtype, device=self.device, tokenizer=tok)
         policy = PeftModel.from_pretrained(base, str(adapter)).eval()
-        prompts = [json.loads(x)["prompt"] for x in (self.out / "prompts_eval.jsonl").read_text().splitlines()]
-        jobs = [p for p in prompts for _ in range(s.confirm_samples)]
-        scores: dict[str, list[float]] = {}
+        per_prompt: dict[str, list[float]] = {}
         t = time.perf_counter()
         for which in ("before", "best"):
-            torch.manual_seed(cfg.seed + 2_000_029)  # the same fresh stream for both policies
             with policy.disable_adapter() if which == "before" else contextlib.nullcontext():
-                texts = self.sample(policy, tok, jobs, temperature)
-            scores[which] = [self.gold(x) for x in texts]
-            say(f"      {which}: {len(texts)} fresh responses scored ({time.perf_counter() - t:.0f}s)")
-        k = s.confirm_samples
-        per_prompt = {w: [sum(v[j * k:(j + 1) * k]) / k for j in range(len(prompts))] for w, v in scores.items()}
+                per_prompt[which] = self.fresh_gold(policy, tok, temperature)
+            say(f"      {which}: fresh responses scored ({time.perf_counter() - t:.0f}s)")
         diffs = [b - a for a, b in zip(per_prompt["before"], per_prompt["best"])]
         self.state["confirm"] = {"before": mean_se(per_prompt["before"]), "best": mean_se(per_prompt["best"]),
-                                 "gain": mean_se(diffs), "samples_per_prompt": k, "n_prompts": len(prompts),
-                                 "temperature": temperature}
+                                 "gain": mean_se(diffs), "samples_per_prompt": self.sizes.confirm_samples,
+                                 "n_prompts": len(diffs), "temperature": temperature}
+
+    def fresh_gold(self, policy: Any, tok: Any, temperature: float) -> list[float]:
+        """The gold score of ``policy`` per held-out prompt, the mean over ``confirm_samples`` fresh
+        responses, drawn from one fixed random stream (a seed no run used): every policy scored this
+        way sees the same random numbers, so differences between policies pair by prompt."""
+        import torch
+
+        k = self.sizes.confirm_samples
+        prompts = [json.loads(x)["prompt"] for x in (self.out / "prompts_eval.jsonl").read_text().splitlines()]
+        torch.manual_seed(self.cfg.seed + 2_000_029)
+        scores = [self.gold(x) for x in self.sample(policy, tok, [p for p in prompts for _ in range(k)], temperature)]
+        return [sum(scores[j * k:(j + 1) * k]) / k for j in range(len(prompts))]
 
     def sample(self, policy: Any, tok: Any, prompts: list[str], temperature: float, progress: bool = False
                ) -> list[str]:
@@ -480,6 +484,9 @@ class Demo:
             gold_gain.update(beats_2se=ok, beats_2se_unpaired=gold_gain["in_run"]["gain"] > 2 * se_unpaired)
             self.state["gold_gain"] = gold_gain
         self.save_state()
+        self.report()
+
+    def report(self) -> None:
         path = write_report(self.out)
         say(self.state.get("verdict", ""))
         say(f"report: {path}")

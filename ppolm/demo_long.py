@@ -18,12 +18,12 @@ per-prompt differences are paired), and ``report.html`` overlays the two runs ag
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 from ppolm import models
-from ppolm.demo import RM_DIR, Demo, DemoConfig, mean_se, say
+from ppolm.demo import Demo, DemoConfig, mean_se, say
 from ppolm.demo_sizes import LONG, LONG_QUICK
 from ppolm.errors import PPOLMError
 from ppolm.gold import REVIEW_JUDGE_DESCRIPTION, review_score
@@ -83,43 +83,38 @@ class LongDemo(Demo):
 
     # ------------------------------------------------------------------------------------ confirm
     def confirm(self) -> None:
-        """The starting policy and each run's best-gold and final policies, scored by the gold judge
-        on ``confirm_samples`` fresh responses to every held-out prompt, all from the same random
-        stream (a seed no run used), so that differences between policies are paired by prompt."""
-        import torch
+        """The starting policy and each run's best-gold and final policies, scored by the rater on
+        fresh responses to every held-out prompt (:meth:`Demo.fresh_gold`: one random stream for all,
+        so that differences between policies are paired by prompt)."""
         from peft import PeftModel
 
-        s, cfg = self.sizes, self.cfg
         adapters = {"static_best": self.out / "best", "static_end": self.out,
                     "refresh_best": self.out / REFRESH / "best", "refresh_end": self.out / REFRESH}
         missing = [k for k, d in adapters.items() if not (d / "policy_adapter").is_dir()]
         if missing:
             raise PPOLMError(f"no policy adapter for {', '.join(missing)} in {self.out}; rerun with --overwrite")
         temperature = self.ppo_temperature()
-        tok = models.load_tokenizer(cfg.model)
-        prompts = [json.loads(x)["prompt"] for x in (self.out / "prompts_eval.jsonl").read_text().splitlines()]
-        jobs = [p for p in prompts for _ in range(s.confirm_samples)]
-        k = s.confirm_samples
+        tok = models.load_tokenizer(self.cfg.model)
         per_prompt: dict[str, list[float]] = {}
         for which in POLICIES:
-            base = models.load_causal_lm(cfg.model, dtype=self.dtype, device=self.device, tokenizer=tok)
-            policy = base if which == "before" else PeftModel.from_pretrained(base, str(adapters[which] /
-                                                                                      "policy_adapter"))
-            torch.manual_seed(cfg.seed + 2_000_029)  # the same fresh stream for every policy
-            scores = [self.gold(x) for x in self.sample(policy.eval(), tok, jobs, temperature)]
-            per_prompt[which] = [sum(scores[j * k:(j + 1) * k]) / k for j in range(len(prompts))]
-            say(f"      {which}: {len(scores)} fresh responses, gold {mean_se(per_prompt[which])['mean']:+.3f}")
+            # peft wraps the model it is given in place: a fresh base for each adapter
+            policy = models.load_causal_lm(self.cfg.model, dtype=self.dtype, device=self.device, tokenizer=tok)
+            if which != "before":
+                policy = PeftModel.from_pretrained(policy, str(adapters[which] / "policy_adapter"))
+            per_prompt[which] = self.fresh_gold(policy.eval(), tok, temperature)
+            say(f"      {which}: gold {mean_se(per_prompt[which])['mean']:+.3f} on fresh responses")
 
         def diff(a: str, b: str) -> dict[str, float]:
             return mean_se([y - x for x, y in zip(per_prompt[a], per_prompt[b])])
 
         scored = {w: mean_se(v) for w, v in per_prompt.items()}
+        n = len(per_prompt["before"])
         # the static run's best against the start, in the form the demo's verdict reads
         self.state["confirm"] = {"before": scored["before"], "best": scored["static_best"],
-                                 "gain": diff("before", "static_best"), "samples_per_prompt": k,
-                                 "n_prompts": len(prompts), "temperature": temperature}
+                                 "gain": diff("before", "static_best"), "samples_per_prompt": self.sizes.confirm_samples,
+                                 "n_prompts": n, "temperature": temperature}
         self.state["overoptimisation"]["confirm"] = {
-            "scores": scored, "samples_per_prompt": k, "n_prompts": len(prompts),
+            "scores": scored, "samples_per_prompt": self.sizes.confirm_samples, "n_prompts": n,
             # paired over prompts: the gain of each run's best, its fall to the end, and refresh vs static
             "gain": {"static": diff("before", "static_best"), REFRESH: diff("before", "refresh_best")},
             "fall_after_best": {"static": diff("static_end", "static_best"),
@@ -128,66 +123,58 @@ class LongDemo(Demo):
                                      "end": diff("static_end", "refresh_end")}}
 
     # ------------------------------------------------------------------------------------ report
-    def summarise(self) -> None:
+    def report(self) -> None:
+        """What the refresh cost, the verdict, and the refreshed run's own report; then the demo's
+        report, whose comparison (``Demo.summarise``) holds both runs' curves."""
         long = self.state["overoptimisation"]
-        long["runs"] = {name: run_summary(self.out if name == "static" else self.out / REFRESH, self.gold_metric)
-                        for name in ("static", REFRESH)}
-        long["verdict"] = verdict(long)
+        long["runs"] = {"static": judge_costs(self.out), REFRESH: judge_costs(self.out / REFRESH)}
+        long["verdict"] = verdict(long, self.state["comparison"])
         self.save_state()
-        write_report(self.out / REFRESH)  # the refreshed run's own report, beside the static run's
-        super().summarise()
+        write_report(self.out / REFRESH)
+        super().report()
         say(long["verdict"])
 
 
-def run_summary(run_dir: Any, gold: str) -> dict[str, Any]:
-    """One run's curve from its eval.jsonl (held-out gold, proxy, KL and the on-policy agreement at each
-    evaluation), its best-gold evaluation, and what its judge cost (metrics.jsonl)."""
-    evals = [r for r in read_jsonl(run_dir / "eval.jsonl") if gold in r]
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    points = [{"step": r["step"], "kl": r.get("eval/kl"), "gold": r[gold], "gold_se": r.get(gold + "_se"),
-               "proxy": r.get(f"eval/{RM_DIR}"), "agreement": r.get("rm/onpolicy_accuracy"),
-               "agreement_se": r.get("rm/onpolicy_accuracy_se")} for r in evals]
-    refreshes = [r for r in rows if "rm_refresh/seconds" in r]
-    checks = sum(r.get("rm/onpolicy_judge_calls", 0) for r in evals)
-    return {"points": points, "best": max(points, key=lambda p: p["gold"]) if points else None,
-            "end": points[-1] if points else None, "refreshes": len(refreshes),
+def judge_costs(run_dir: Path) -> dict[str, Any]:
+    """What one run's judge and refreshes cost: from metrics.jsonl (the refreshes) and eval.jsonl
+    (the on-policy checks at each evaluation)."""
+    refreshes = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "rm_refresh/seconds" in r]
+    return {"refreshes": len(refreshes),
             "refresh_judge_calls": int(sum(r.get("rm_refresh/judge_calls", 0) for r in refreshes)),
             "refresh_seconds": [r["rm_refresh/seconds"] for r in refreshes],
-            "refresh_pairs_added": int(sum(r.get("rm_refresh/pairs_added", 0) for r in refreshes)),
-            "check_judge_calls": int(checks)}
+            "check_judge_calls": int(sum(r.get("rm/onpolicy_judge_calls", 0)
+                                         for r in read_jsonl(run_dir / "eval.jsonl")))}
 
 
-def verdict(long: dict[str, Any]) -> str:
+def verdict(long: dict[str, Any], comparison: dict[str, Any]) -> str:
     """The long demo's finding in words: did gold fall after its peak against the static proxy, and did
     the refreshed run's best beat the static run's by more than 2 standard errors (paired)?"""
     c = long.get("confirm")
-    runs = long.get("runs", {})
     if not c:
         return "The policies were not scored again on fresh samples; no verdict."
     s, f = c["scores"], c["fall_after_best"]
     d = c["refresh_minus_static"]["best"]
 
     def at(name: str) -> str:
-        b = (runs.get(name) or {}).get("best") or {}
+        b = comparison.get(name, {}).get("best") or {}
         return f"step {b.get('step', '?')}, KL {b['kl']:.2f}" if b.get("kl") is not None else "?"
 
     static_fell = f["static"]["mean"] > 2 * f["static"]["se"]
     refresh_fell = f[REFRESH]["mean"] > 2 * f[REFRESH]["se"]
     won = d["mean"] > 2 * d["se"]
+    costs = long.get("runs", {}).get(REFRESH, {})
     return (
-        f"Static proxy: best gold {s['static_best']['mean']:+.3f} ± {s['static_best']['se']:.3f} ({at('static')}), "
+        f"Static proxy: best gold {s['static_best']['mean']:+.3f} ± {s['static_best']['se']:.3f} ({at('ppo')}), "
         f"end {s['static_end']['mean']:+.3f} ± {s['static_end']['se']:.3f}: gold "
         f"{'fell' if static_fell else 'did not fall significantly'} after its peak "
         f"({-f['static']['mean']:+.3f} ± {f['static']['se']:.3f}). Refreshed proxy: best gold "
         f"{s['refresh_best']['mean']:+.3f} ± {s['refresh_best']['se']:.3f} ({at(REFRESH)}), end "
         f"{s['refresh_end']['mean']:+.3f} ± {s['refresh_end']['se']:.3f} "
         f"({'a fall' if refresh_fell else 'no significant fall'} after its peak, "
-        f"{-f[REFRESH]['mean']:+.3f} ± {f[REFRESH]['se']:.3f}), with "
-        f"{runs.get(REFRESH, {}).get('refresh_judge_calls', 0)} judge labels over "
-        f"{runs.get(REFRESH, {}).get('refreshes', 0)} refreshes. Refreshed best minus static best: "
+        f"{-f[REFRESH]['mean']:+.3f} ± {f[REFRESH]['se']:.3f}), with {costs.get('refresh_judge_calls', 0)} judge "
+        f"labels over {costs.get('refreshes', 0)} refreshes. Refreshed best minus static best: "
         f"{d['mean']:+.3f} ± {d['se']:.3f} (fresh samples, paired over {c['n_prompts']} held-out prompts; starting "
         f"policy {s['before']['mean']:+.3f}): {'more' if won else 'not more'} than twice its standard error.")
-
 
 
 def run(cfg: DemoConfig) -> int:

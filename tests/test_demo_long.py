@@ -34,7 +34,8 @@ def test_long_demo_runs_static_and_refreshed_proxy(tiny_policy_dir, tmp_path, mo
     static, refresh = long["runs"]["static"], long["runs"]["refresh"]
     assert static["refreshes"] == 0 and static["refresh_judge_calls"] == 0
     assert refresh["refreshes"] == 2 and 0 < refresh["refresh_judge_calls"] <= 2 * 4
-    for run in (static, refresh):
+    assert static["check_judge_calls"] > 0 and refresh["check_judge_calls"] > 0  # a check at each evaluation
+    for run in state["comparison"].values():
         assert [p["step"] for p in run["points"]] == [0, 2, 4]
         assert all(0 <= p["agreement"] <= 1 for p in run["points"] if p["agreement"] is not None)
         assert run["best"]["gold"] == max(p["gold"] for p in run["points"])
