@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ppolm import atomic
+from ppolm import atomic, cpu_linear
 from ppolm.errors import PPOLMError
 from ppolm.runtime import announce
 
@@ -329,7 +329,7 @@ def load_causal_lm(
     resize_embeddings_if_needed(model, tok)
     disable_dropout(model)
     _set_pad_and_eos(model, tok)
-    return model.to(device).eval()
+    return cpu_linear.install(model.to(device).eval())
 
 
 def _weight_keys(path: Path) -> set[str]:
@@ -398,7 +398,7 @@ def load_scalar_model(
     model.config.num_labels = 1
     disable_dropout(model)
     _set_pad_and_eos(model, tok)
-    return model.to(device).eval()
+    return cpu_linear.install(model.to(device).eval())
 
 
 def _unwrap(model):
@@ -497,11 +497,13 @@ def output_logits(model: nn.Module, hidden: torch.Tensor, weight: torch.Tensor |
 
 
 def _head_fp32(head: nn.Module, x: torch.Tensor, weight: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
-    if type(head) is nn.Linear:
+    if cpu_linear.is_linear(head):
         w = head.weight.float() if weight is None else weight
         b = None if head.bias is None else head.bias.float()
         rows = x.numel() // x.shape[-1]
-        if x.device.type == "cpu" and rows <= 64 and not torch.is_grad_enabled():
+        if cpu_linear.routed(x, w):
+            logits = cpu_linear.linear(x, w, b)
+        elif x.device.type == "cpu" and rows <= 64 and not torch.is_grad_enabled():
             # a few rows (decoding): (W @ x.T).T is faster than the CPU GEMM's (x @ W.T) for this shape
             y = (w @ x.reshape(rows, -1).t()).t()
             y = y if b is None else y + b
@@ -516,7 +518,7 @@ def _head_fp32(head: nn.Module, x: torch.Tensor, weight: torch.Tensor | None, hi
 def head_weight_fp32(model: nn.Module) -> torch.Tensor | None:
     """The LM head's weight as fp32 (no copy when it is fp32 already), for :func:`output_logits`."""
     head = _unwrap(model).get_output_embeddings()
-    return head.weight.detach().float() if type(head) is nn.Linear else None
+    return head.weight.detach().float() if cpu_linear.is_linear(head) else None
 
 
 @torch.no_grad()
