@@ -88,7 +88,11 @@ class _OneDNNLinear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, on oneDNN where :func:`routed` says so."""
     if routed(x, weight):
-        return _OneDNNLinear.apply(x, weight, bias)
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad)):
+            return _OneDNNLinear.apply(x, weight, bias)
+        # no graph to record (sampling, frozen passes): skip the autograd.Function's overhead
+        return _mm_t(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return nn.functional.linear(x, weight, bias)
 
 

@@ -58,6 +58,11 @@ def test_frozen_weight_gets_no_gradient_and_the_input_does():
     layer(x).sum().backward()
     assert layer.weight.grad is None and layer.bias.grad is None
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(7, 16))  # d/dx Σ (x Wᵀ) = Σ_rows W
+    graph = layer(x)
+    assert graph.grad_fn is not None
+    with torch.no_grad():  # no graph: the kernel is called directly, the same numbers
+        assert torch.equal(layer(x), graph.detach())
+        assert torch.equal(layer(x.view(7, 1, 16)).view(7, 8), graph.detach())
 
 
 @onednn
