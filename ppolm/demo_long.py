@@ -161,7 +161,7 @@ def verdict(long: dict[str, Any], comparison: dict[str, Any]) -> str:
 
     static_fell = f["static"]["mean"] > 2 * f["static"]["se"]
     refresh_fell = f[REFRESH]["mean"] > 2 * f[REFRESH]["se"]
-    won = d["mean"] > 2 * d["se"]
+    won, lost = d["mean"] > 2 * d["se"], d["mean"] < -2 * d["se"]
     costs = long.get("runs", {}).get(REFRESH, {})
     return (
         f"Static proxy: best gold {s['static_best']['mean']:+.3f} ± {s['static_best']['se']:.3f} ({at('ppo')}), "
@@ -174,7 +174,10 @@ def verdict(long: dict[str, Any], comparison: dict[str, Any]) -> str:
         f"{-f[REFRESH]['mean']:+.3f} ± {f[REFRESH]['se']:.3f}), with {costs.get('refresh_judge_calls', 0)} judge "
         f"labels over {costs.get('refreshes', 0)} refreshes. Refreshed best minus static best: "
         f"{d['mean']:+.3f} ± {d['se']:.3f} (fresh samples, paired over {c['n_prompts']} held-out prompts; starting "
-        f"policy {s['before']['mean']:+.3f}): {'more' if won else 'not more'} than twice its standard error.")
+        f"policy {s['before']['mean']:+.3f}): "
+        + ("the refreshed run did better, by more than twice its standard error." if won else
+           "the refreshed run did worse, by more than twice its standard error." if lost else
+           "no difference beyond twice its standard error."))
 
 
 def run(cfg: DemoConfig) -> int:

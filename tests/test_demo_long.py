@@ -66,3 +66,24 @@ def test_long_demo_refuses_algorithms(tmp_path, capsys):
                      str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--overoptimisation" in err[0] and not (tmp_path / "d").exists()
+
+
+def test_verdict_says_better_worse_or_no_difference():
+    """The verdict's last sentence follows the paired difference against ±2 SE, sign included."""
+    from ppolm.demo_long import REFRESH, verdict
+
+    def state(diff: float, se: float) -> dict:
+        score = {"mean": 0.1, "se": 0.05, "n": 32}
+        return {"confirm": {"scores": {k: score for k in ("before", "static_best", "static_end", "refresh_best",
+                                                          "refresh_end")},
+                            "fall_after_best": {"static": {"mean": 0.3, "se": 0.1}, REFRESH: {"mean": 0.0, "se": 0.1}},
+                            "refresh_minus_static": {"best": {"mean": diff, "se": se}}, "n_prompts": 32},
+                "runs": {REFRESH: {"refresh_judge_calls": 96, "refreshes": 2}}}
+
+    comparison = {"ppo": {"best": {"step": 3, "kl": 1.0}}, REFRESH: {"best": {"step": 6, "kl": 2.0}}}
+    assert verdict(state(0.30, 0.1), comparison).endswith("did better, by more than twice its standard error.")
+    assert verdict(state(-0.30, 0.1), comparison).endswith("did worse, by more than twice its standard error.")
+    assert verdict(state(-0.15, 0.1), comparison).endswith("no difference beyond twice its standard error.")
+    text = verdict(state(0.30, 0.1), comparison)
+    assert "gold fell after its peak (-0.300 ± 0.100)" in text  # static: best − end = 0.3 > 2 × 0.1
+    assert "96 judge labels over 2 refreshes" in text
