@@ -64,16 +64,14 @@ def main() -> None:
         for rows in a.rows:
             x = {d: torch.randn(rows, d, dtype=dt) for d in (576, 1536)}
             g = {d: torch.randn(rows, d, dtype=dt) for d in (192, 576, 1536, 49152)}
-            kernels = {
-                "forward": {"aten": lambda w: torch.nn.functional.linear(x[w.shape[1]], w),
-                            "wxt": lambda w: (w @ x[w.shape[1]].t()).t().contiguous(),
-                            "onednn": lambda w: onednn(x[w.shape[1]], w)},
-            }
+            kernels = {"forward": {"aten": lambda w, x=x: torch.nn.functional.linear(x[w.shape[1]], w),
+                                   "wxt": lambda w, x=x: (w @ x[w.shape[1]].t()).t().contiguous(),
+                                   "onednn": lambda w, x=x: onednn(x[w.shape[1]], w)}}
             if rows > 64:
-                kernels["input grad"] = {"aten": lambda w: g[w.shape[0]] @ w,
-                                         "onednn": lambda w: onednn(g[w.shape[0]], w.t())}
-                kernels["weight grad"] = {"aten": lambda w: g[w.shape[0]].t() @ x[w.shape[1]],
-                                          "onednn": lambda w: onednn(g[w.shape[0]].t(), x[w.shape[1]].t())}
+                kernels["input grad"] = {"aten": lambda w, g=g: g[w.shape[0]] @ w,
+                                         "onednn": lambda w, g=g: onednn(g[w.shape[0]], w.t())}
+                kernels["weight grad"] = {"aten": lambda w, g=g, x=x: g[w.shape[0]].t() @ x[w.shape[1]],
+                                          "onednn": lambda w, g=g, x=x: onednn(g[w.shape[0]].t(), x[w.shape[1]].t())}
             for product, ks in kernels.items():
                 times: dict[str, list[float]] = {k: [] for k in ks}
                 for _ in range(a.repeats + 1):

@@ -61,7 +61,7 @@ def main() -> None:
     ppolm = [sys.executable, str(HERE / "ppo_step.py"), "--steps", str(a.steps)]
     trl = [a.trl_python, str(PEER), "--model", a.trl_model, "--steps", str(a.trl_steps)]
     runs: list[dict] = []
-    for r in range(a.rounds):
+    for _ in range(a.rounds):
         runs.append(run("TRL fp32", trl))
         if a.trl_bf16:
             runs.append(run("TRL bf16", trl + ["--bf16"]))
