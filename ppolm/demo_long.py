@@ -75,7 +75,7 @@ class LongDemo(Demo):
                    "rm_check_pairs": lg.check_pairs}
         if name == REFRESH:
             options.update(rm_refresh_every=lg.refresh_every, rm_refresh_pairs=lg.refresh_pairs,
-                           rm_refresh_steps=lg.refresh_steps)
+                           rm_refresh_steps=lg.refresh_steps, rm_refresh_start_share=lg.refresh_start_share)
         return options
 
     def alternative(self, name: str) -> None:

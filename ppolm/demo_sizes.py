@@ -85,6 +85,8 @@ class LongSizes:
     refresh_every: int
     refresh_pairs: int
     refresh_steps: int
+    refresh_start_share: float = 0.0
+    """Share of each refresh's pairs that set the policy's answer against the starting policy's."""
     confirm_samples: int = 4
 
 

@@ -94,6 +94,7 @@ PPO_METRICS: dict[str, str] = {
     "rm_refresh/pairs_added": "fresh judge-labelled pairs of the policy's answers added by this refresh.",
     "rm_refresh/skipped": "fresh pairs skipped (identical or empty answers).",
     "rm_refresh/ties": "fresh pairs the judge tied (not trained on).",
+    "rm_refresh/start_pairs": "fresh pairs that set the policy's answer against the starting policy's (`--rm-refresh-start-share`).",
     "rm_refresh/buffer_pairs": "pairs the reward model now trains on: the original ones and every refresh's.",
     "rm_refresh/fresh_accuracy_before": "the reward model's accuracy on this refresh's fresh pairs before training.",
     "rm_refresh/fresh_accuracy_after": "the same after training on them.",

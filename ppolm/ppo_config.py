@@ -113,6 +113,9 @@ class RewardConfig:
     """Pairs of the policy's answers to training prompts that the judge labels per refresh (up to N judge calls)."""
     rm_refresh_steps: int = 32
     """Reward-model optimiser steps per refresh, each batch half fresh and half replayed pairs; then it is re-normalised."""
+    rm_refresh_start_share: float = 0.0
+    """Share of each refresh's pairs that set the policy's answer against the starting policy's (0 = both from the
+    current policy); shows the judge what the policy has drifted from. docs/overoptimisation.md"""
 
 
 @dataclass
@@ -398,6 +401,9 @@ class PPOConfig:
                 raise PPOLMError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(r, name)}")
         if r.rm_refresh_every and (r.rm_refresh_pairs < 1 or r.rm_refresh_steps < 1):
             raise PPOLMError("--rm-refresh-every needs --rm-refresh-pairs >= 1 and --rm-refresh-steps >= 1")
+        if not (math.isfinite(r.rm_refresh_start_share) and 0.0 <= r.rm_refresh_start_share <= 1.0):
+            raise PPOLMError(f"--rm-refresh-start-share must be in [0, 1] (the share of a refresh's pairs against the "
+                             f"starting policy); got {r.rm_refresh_start_share}")
         if not r.rm_refresh_every and not (r.rm_check_pairs and (r.rm_check_every or self.run.eval_prompts)):
             raise PPOLMError("--judge is never used: give --rm-check-every N, --eval-prompts FILE (a check at each "
                              "evaluation) or --rm-refresh-every K")

@@ -40,6 +40,7 @@ starting value (the ``reward_model_drift`` alarm of :mod:`ppolm.alarms` does), n
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -87,6 +88,8 @@ class FreshPairs:
     """Pairs not shown to the judge: two identical answers, or an empty one."""
     judge_calls: int = 0
     """Comparisons asked of the judge."""
+    other: int = 0
+    """Pairs sampled with one answer from the other sampler (the starting policy, in a refresh)."""
 
     @property
     def decided(self) -> list[LabelledPair]:
@@ -103,24 +106,40 @@ def pick_prompts(prompts: Sequence[Any], n: int, rng: random.Random) -> list[int
 
 
 def sample_pairs(prompts: Sequence[Any], sampler: Sampler, judge: Judge, n_pairs: int, rng: random.Random,
-                 columns: dict[str, list[Any]] | None = None) -> FreshPairs:
+                 columns: dict[str, list[Any]] | None = None, *, other: Sampler | None = None,
+                 other_share: float = 0.0) -> FreshPairs:
     """Sample two answers to each of ``n_pairs`` prompts (one ``sampler`` call on the picked prompts
     twice over: the first half gives the ``a`` answers, the second the ``b`` ones) and have ``judge``
     label every comparable pair; ``rng`` picks the prompts and then draws the labels. ``columns``: the
-    prompts file's other columns (one value per prompt), passed on to the judge."""
+    prompts file's other columns (one value per prompt), passed on to the judge.
+
+    ``other``, ``other_share``: the last ``round(other_share * n_pairs)`` pairs set one answer of
+    ``sampler`` against one of ``other`` (e.g. the starting policy), in an order drawn from ``rng``
+    (a judge with a position bias then favours neither source); ``sampler`` is called on
+    the picked prompts and the first ones again, ``other`` once on the last ones."""
     if not prompts:
         raise PPOLMError("no prompts to sample pairs on; give the training (or held-out) prompts")
     if n_pairs < 1:
         raise PPOLMError(f"the number of pairs must be at least 1; got {n_pairs}")
+    if not 0.0 <= other_share <= 1.0:
+        raise PPOLMError(f"the share of pairs against the other sampler must be in [0, 1]; got {other_share}")
+    n_other = round(other_share * n_pairs) if other is not None else 0
     picks = pick_prompts(prompts, n_pairs, rng)
     chosen_prompts = [prompts[i] for i in picks]
-    out = sampler(chosen_prompts + chosen_prompts)
+    n_own = n_pairs - n_other
+    out = sampler(chosen_prompts + chosen_prompts[:n_own])
+    if n_other:
+        out = list(out) + list(other(chosen_prompts[n_own:]))  # type: ignore[misc]
     if len(out) != 2 * n_pairs or not all(isinstance(x, str) for x in out):
         raise PPOLMError(f"the sampler must return one text per prompt; it returned {len(out)} values for "
                          f"{2 * n_pairs} prompts")
+    if n_other:  # out[n_pairs + j] for j >= n_own is other's answer: put it first or second at random
+        for j in range(n_own, n_pairs):
+            if rng.random() < 0.5:
+                out[j], out[n_pairs + j] = out[n_pairs + j], out[j]
     keep = [j for j in range(n_pairs)
             if out[j].strip() and out[n_pairs + j].strip() and out[j].strip() != out[n_pairs + j].strip()]
-    found = FreshPairs(skipped=n_pairs - len(keep))
+    found = FreshPairs(skipped=n_pairs - len(keep), other=n_other)
     if not keep:
         return found
     before = judge.calls
@@ -247,17 +266,18 @@ def reward_model_scorer(rm: Any, *, chat_template: bool = True, max_length: int 
 
 def policy_sampler(policy: Any, tok: Any, *, response_length: int, temperature: float, top_p: float = 1.0,
                    top_k: int = 0, chat_template: bool = True, batch_size: int = 32,
-                   rng: random.Random | None = None) -> Sampler:
+                   rng: random.Random | None = None, adapter: bool = True) -> Sampler:
     """A causal LM as a sampler: one answer per prompt, drawn as PPO draws its rollouts (``temperature``,
     ``top_p``, ``top_k``), cut after EOS, decoded without special tokens. With ``rng``, each call
     samples under its own seed (one draw from ``rng``) and leaves torch's random stream as it found
     it: a check then changes nothing in the run it measures, and ``rng``'s state (in the checkpoint)
-    is all a resumed run needs to draw the same answers. Without it, torch's stream is used."""
+    is all a resumed run needs to draw the same answers. Without it, torch's stream is used.
+    ``adapter=False``: a peft model samples with its adapter disabled (a LoRA policy's starting point)."""
     def draw(prompts: list[Any]) -> list[str]:
         texts: list[str] = []
         for i in range(0, len(prompts), batch_size):
             ids = [encode_prompt(p, tok, chat_template) for p in prompts[i:i + batch_size]]
-            with torch.no_grad():
+            with torch.no_grad(), policy.disable_adapter() if not adapter else contextlib.nullcontext():
                 roll = ro.generate(policy, ids, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                                    max_new_tokens=response_length, temperature=temperature, top_p=top_p,
                                    top_k=top_k)

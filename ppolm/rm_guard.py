@@ -48,6 +48,8 @@ class GuardOptions:
     """Answer pairs labelled per refresh."""
     refresh_steps: int = 32
     """Reward-model optimiser steps per refresh."""
+    refresh_start_share: float = 0.0
+    """Share of each refresh's pairs that set the current policy's answer against the starting policy's."""
 
     def validate(self) -> None:
         for name in ("check_every", "check_pairs", "refresh_every"):
@@ -55,6 +57,8 @@ class GuardOptions:
                 raise PPOLMError(f"--rm-{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
         if self.refresh_every and (self.refresh_pairs < 1 or self.refresh_steps < 1):
             raise PPOLMError("--rm-refresh-every needs --rm-refresh-pairs >= 1 and --rm-refresh-steps >= 1")
+        if not 0.0 <= self.refresh_start_share <= 1.0:
+            raise PPOLMError(f"--rm-refresh-start-share must be in [0, 1]; got {self.refresh_start_share}")
 
 
 class RewardModelGuard:
@@ -115,17 +119,21 @@ class RewardModelGuard:
         """Whether a refresh follows update ``step`` (counted from 1): every --rm-refresh-every updates."""
         return bool(self.opts.refresh_every) and step > 0 and step % self.opts.refresh_every == 0
 
-    def refresh(self, prompts: Sequence[Any], sampler: Sampler,
-                columns: dict[str, list[Any]] | None = None) -> dict[str, float]:
+    def refresh(self, prompts: Sequence[Any], sampler: Sampler, columns: dict[str, list[Any]] | None = None,
+                start: Sampler | None = None) -> dict[str, float]:
         """Refresh every reward model on one set of fresh pairs and load the result into PPO's frozen
-        models; returns the ``rm_refresh/...`` record."""
+        models; returns the ``rm_refresh/...`` record. ``start``: the starting policy's sampler, for
+        the --rm-refresh-start-share of the pairs (:meth:`sampler` with ``start=True``)."""
         o = self.opts
+        if o.refresh_start_share and start is None:
+            raise PPOLMError("--rm-refresh-start-share needs a sampler of the starting policy")
+        kw = {"columns": columns, "start": start, "start_share": o.refresh_start_share}
         if len(self.refreshers) == 1:
             record = self.refreshers[0].refresh(prompts, sampler, self.judge, o.refresh_pairs, o.refresh_steps,
-                                                self.rng, columns=columns)
+                                                self.rng, **kw)
         else:
             record = refresh_ensemble(self.refreshers, prompts, sampler, self.judge, o.refresh_pairs,
-                                      o.refresh_steps, self.rng, columns=columns)
+                                      o.refresh_steps, self.rng, **kw)
         for refresher, rm in zip(self.refreshers, self.rms):
             refresher.load_into(rm)
         return record
@@ -186,13 +194,20 @@ class PPOWatch:
         self.guard = RewardModelGuard(
             trainer.rewarder.models, trainer.judge,
             GuardOptions(r.rm_check_every, r.rm_check_pairs, r.rm_refresh_every, r.rm_refresh_pairs,
-                         r.rm_refresh_steps),
+                         r.rm_refresh_steps, r.rm_refresh_start_share),
             seed=cfg.run.seed + 7919, device=trainer.device, precision=trainer.precision,
             ensemble_rule=r.reward_ensemble, chat_template=cfg.run.chat_template,
             max_length=g.max_prompt_length + g.response_length + 1)
-        self.sample = self.guard.sampler(trainer.policy, trainer.tokenizer, response_length=g.response_length,
-                                         temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                                         chat_template=cfg.run.chat_template, batch_size=cfg.run.eval_batch_size)
+        generation = dict(response_length=g.response_length, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                          chat_template=cfg.run.chat_template, batch_size=cfg.run.eval_batch_size)
+        self.sample = self.guard.sampler(trainer.policy, trainer.tokenizer, **generation)
+        # the starting policy, for the refresh's pairs against it: the frozen reference, or with LoRA
+        # the policy with its adapter disabled
+        self.start: Sampler | None = None
+        if r.rm_refresh_every and r.rm_refresh_start_share:
+            ref = trainer.reference
+            self.start = (self.guard.sampler(ref, trainer.tokenizer, **generation) if ref is not None else
+                          self.guard.sampler(trainer.policy, trainer.tokenizer, adapter=False, **generation))
         self.waiting: dict[str, float] = {}
 
     @classmethod
@@ -215,7 +230,8 @@ class PPOWatch:
         """The refresh due after update ``updates`` (counted from 1): its record, or {}."""
         if not self.guard.refresh_due(updates):
             return {}
-        return self._run(self.guard.refresh, self.trainer.prompts)
+        return self._run(lambda p, sample, columns: self.guard.refresh(p, sample, columns, start=self.start),
+                         self.trainer.prompts)
 
     def check(self, updates: int, evaluating: bool) -> dict[str, float]:
         """The check due for the policy after ``updates`` updates (``evaluating``: a held-out evaluation

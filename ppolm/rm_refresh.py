@@ -13,7 +13,9 @@ What one :meth:`RewardModelRefresher.refresh` does:
 
 1. sample two answers from the current policy to each of ``n_pairs`` training prompts and have the
    judge label them (:func:`ppolm.rm_check.sample_pairs`: identical or empty pairs are skipped, the
-   judge's ties are dropped);
+   judge's ties are dropped); optionally a share of the pairs sets the current answer against the
+   starting policy's, the one contrast that shows the judge what PPO has drifted away from (pairs of
+   two current answers cannot, once both carry the same exploit);
 2. add the labelled pairs to the buffer: the reward model's original pairs (replay) and every fresh
    pair of earlier refreshes stay in it;
 3. train the reward model from its current weights for ``steps`` optimiser steps of the
@@ -250,12 +252,16 @@ class RewardModelRefresher:
 
     def refresh(self, prompts: Sequence[Any], sampler: Sampler, judge: Judge, n_pairs: int, steps: int,
                 rng: random.Random | None = None, *, columns: dict[str, list[Any]] | None = None,
-                reference: Sequence[tuple[Any, str]] | None = None) -> dict[str, float]:
+                reference: Sequence[tuple[Any, str]] | None = None, start: Sampler | None = None,
+                start_share: float = 0.0) -> dict[str, float]:
         """Steps 1-4 of the module docstring; returns the log record (``rm_refresh/...``). ``rng``
         picks the prompts and draws noisy labels (default: the refresher's own, saved in its state);
-        ``reference``: new reference texts to normalise on from now on (default: keep the previous)."""
+        ``reference``: new reference texts to normalise on from now on (default: keep the previous);
+        ``start``, ``start_share``: that share of the pairs sets the current policy's answer against
+        one of ``start``, the starting policy (:func:`ppolm.rm_check.sample_pairs`' ``other``)."""
         t0 = time.perf_counter()
-        fresh = sample_pairs(prompts, sampler, judge, n_pairs, rng or self.rng, columns)
+        fresh = sample_pairs(prompts, sampler, judge, n_pairs, rng or self.rng, columns, other=start,
+                             other_share=start_share)
         record = self.learn(fresh, steps, reference=reference)
         record["rm_refresh/seconds"] = time.perf_counter() - t0
         return record
@@ -285,6 +291,7 @@ class RewardModelRefresher:
             self.gain, self.bias = distributed.broadcast_object((self.gain, self.bias))
         record = {"rm_refresh/round": float(self.rounds), "rm_refresh/pairs_added": float(len(new)),
                   "rm_refresh/ties": float(len(fresh.pairs) - len(new)), "rm_refresh/skipped": float(fresh.skipped),
+                  "rm_refresh/start_pairs": float(fresh.other),
                   "rm_refresh/buffer_pairs": float(len(self.replay) + len(self.fresh)),
                   "rm_refresh/fresh_accuracy_before": before, "rm_refresh/fresh_accuracy_after": after,
                   "rm_refresh/steps": float(len(losses)),
@@ -430,15 +437,17 @@ class RewardModelRefresher:
 
 def refresh_ensemble(refreshers: Sequence[RewardModelRefresher], prompts: Sequence[Any], sampler: Sampler,
                      judge: Judge, n_pairs: int, steps: int, rng: random.Random | None = None, *,
-                     columns: dict[str, list[Any]] | None = None) -> dict[str, float]:
+                     columns: dict[str, list[Any]] | None = None, start: Sampler | None = None,
+                     start_share: float = 0.0) -> dict[str, float]:
     """Refresh every member of an ensemble on one set of fresh pairs (labelled once: the judge's cost
     does not grow with the ensemble; ``rng`` defaults to the first member's stream). Each member trains
     with its own batches. The record holds the shared counts, the members' mean of each accuracy and,
-    per member, ``rm_refresh/<name>/...``."""
+    per member, ``rm_refresh/<name>/...``. ``start``, ``start_share``: as for :meth:`RewardModelRefresher.refresh`."""
     if not refreshers:
         raise PPOLMError("no reward models to refresh")
     t0 = time.perf_counter()
-    fresh = sample_pairs(prompts, sampler, judge, n_pairs, rng or refreshers[0].rng, columns)
+    fresh = sample_pairs(prompts, sampler, judge, n_pairs, rng or refreshers[0].rng, columns, other=start,
+                         other_share=start_share)
     records = [r.learn(fresh, steps) for r in refreshers]
     out = dict(records[0])
     names = [r.name for r in refreshers]

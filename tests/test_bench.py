@@ -156,3 +156,31 @@ def test_seeds_pair_runs_of_one_answer_length_only(tmp_path):
     assert set(runs) == set(expected)
     for key, cells in expected.items():
         assert list(runs[key]) == [(0, "cpu")] and runs[key][(0, "cpu")] == pytest.approx(cells)
+
+
+def test_refresh_search_links_a_long_demo_without_its_refreshed_run(tmp_path):
+    """bench/refresh_search.py shares the static run by hard links, leaves out what the redone stages
+    write, marks those stages to redo with the variant's sizes, and never touches the source."""
+    import refresh_search
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for rel in ("proxy_rm/model.safetensors", "best/policy_adapter/adapter.bin", "refresh/metrics.jsonl",
+                "plots/gold.png", "report.html", "eval.jsonl"):
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(rel)
+    state = {"seed": 2, "quick": False, "done": ["task", "pairs", "reward_model", "ppo", "refresh", "confirm", "report"],
+             "overoptimisation": {"sizes": {"refresh_pairs": 48}, "confirm": {}, "runs": {}}, "verdict": "v",
+             "comparison": {}, "costs": {"ppo": 1, "refresh": 2}}
+    (src / "demo.json").write_text(json.dumps(state))
+    before = {p: p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    refresh_search.link_run(src, dst, refresh_search.parse_set(["refresh_start_share=0.5", "refresh_pairs=96"]))
+    for rel in ("proxy_rm/model.safetensors", "best/policy_adapter/adapter.bin", "eval.jsonl"):
+        assert (dst / rel).stat().st_ino == (src / rel).stat().st_ino
+    assert not any((dst / rel).exists() for rel in ("refresh", "plots", "report.html"))
+    got = json.loads((dst / "demo.json").read_text())
+    assert got["done"] == ["task", "pairs", "reward_model", "ppo"] and "verdict" not in got
+    assert got["overoptimisation"] == {"sizes": {"refresh_pairs": 96, "refresh_start_share": 0.5}}
+    assert got["costs"] == {"ppo": 1}
+    assert {p: p.read_bytes() for p in src.rglob("*") if p.is_file()} == before
+    with pytest.raises(SystemExit, match="refresh_"):
+        refresh_search.parse_set(["steps=3"])

@@ -155,6 +155,31 @@ def test_refresh_changes_the_reward_model_and_resumes_bit_identically(micro_dir,
     assert tensors(a) == tensors(c)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_refresh_against_the_starting_policy(micro_dir, rm_dir, judge_file, tmp_path, lora):
+    """--rm-refresh-start-share 0.5: half of each refresh's 6 pairs set the policy's answer against the
+    starting policy's (the frozen reference; with LoRA the policy with its adapter disabled); the run
+    differs from one without it only in the refresh, and resumes bit-identically."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    opts = ["--judge", f"{judge_file}:length", "--rm-refresh-every", "1", "--rm-refresh-pairs", "6",
+            "--rm-refresh-steps", "2", "--rm-check-pairs", "0", *(["--lora-r", "2"] if lora else [])]
+    share = ["--rm-refresh-start-share", "0.5"]
+    assert main(args(micro_dir, rm_dir, a, steps=2, extra=[*opts, *share])) == 0
+    got = tracking.read_jsonl(a / "metrics.jsonl")
+    assert [r["rm_refresh/start_pairs"] for r in got] == [3, 3]
+    assert all(r["rm_refresh/pairs_added"] >= 1 for r in got)
+    assert main(args(micro_dir, rm_dir, b, steps=2, extra=opts)) == 0
+    plain = tracking.read_jsonl(b / "metrics.jsonl")
+    assert [r["rm_refresh/start_pairs"] for r in plain] == [0, 0]
+    # the first step's rollout and update come before any refresh: the same in both runs
+    before = {k: v for k, v in got[0].items() if not k.startswith(("time/", "rm_refresh/", "perf/"))}
+    assert before == {k: v for k, v in plain[0].items() if not k.startswith(("time/", "rm_refresh/", "perf/"))}
+    assert main(args(micro_dir, rm_dir, c, steps=1, extra=[*opts, *share])) == 0
+    assert main(args(micro_dir, rm_dir, c, steps=2, extra=[*opts, *share, "--resume"])) == 0
+    assert rows(a / "metrics.jsonl") == rows(c / "metrics.jsonl")
+    assert tensors(a) == tensors(c)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--rm-refresh-every", "2"], "--rm-refresh-every needs --judge SPEC"),
     (["--rm-check-every", "2"], "--rm-check-every needs --judge SPEC"),
@@ -163,8 +188,11 @@ def test_refresh_changes_the_reward_model_and_resumes_bit_identically(micro_dir,
      "--rm-refresh-every needs --rm-refresh-pairs >= 1 and --rm-refresh-steps >= 1"),
     (["--judge", "JUDGE", "--rm-check-every", "1", "--judge-temperature", "-0.5"], "--judge-temperature must be >= 0"),
     (["--judge", "JUDGE"], "--judge is never used"),
+    (["--judge", "JUDGE", "--rm-refresh-every", "2", "--rm-refresh-start-share", "1.5"],
+     "--rm-refresh-start-share must be in [0, 1]"),
     (["--judge", "nowhere.py:fn", "--rm-check-every", "1"], "nowhere.py"),
-], ids=["refresh-no-judge", "check-no-judge", "negative", "no-pairs", "temperature", "unused", "missing-file"])
+], ids=["refresh-no-judge", "check-no-judge", "negative", "no-pairs", "temperature", "unused", "start-share",
+     "missing-file"])
 def test_bad_judge_options_give_one_error_line(micro_dir, rm_dir, judge_file, tmp_path, capsys, extra, message):
     out = tmp_path / "run"
     extra = [f"{judge_file}:length" if x == "JUDGE" else x for x in extra]
@@ -193,13 +221,14 @@ def test_check_and_refresh_under_torchrun_keep_the_processes_equal(micro_dir, rm
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ppolm",
            *args(micro_dir, rm_dir, out, steps=2, extra=["--judge", f"{judge_file}:length", "--rm-check-every", "1",
                                                         "--rm-check-pairs", "4", "--rm-refresh-every", "1",
-                                                        "--rm-refresh-pairs", "4", "--rm-refresh-steps", "2", *over])]
+                                                        "--rm-refresh-pairs", "4", "--rm-refresh-steps", "2",
+                                                        "--rm-refresh-start-share", "0.5", *over])]
     # (the processes' summaries checksum plain tensors: not FSDP's sharded ones)
     p = subprocess.run(cmd, env={**ENV, **({} if over else {"PPOLM_RANK_SUMMARY": str(summary)})}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     got = tracking.read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in got] == [0, 1] and all(r["rm_refresh/pairs_added"] >= 1 for r in got)
-    assert all(0 <= r["rm/onpolicy_accuracy"] <= 1 for r in got)
+    assert all(0 <= r["rm/onpolicy_accuracy"] <= 1 for r in got) and all(r["rm_refresh/start_pairs"] == 2 for r in got)
     if not over:
         one, two = (json.loads((summary / f"rank{r}.json").read_text()) for r in (0, 1))
         assert one["weights"] == two["weights"] and one["last_row"] == two["last_row"]

@@ -89,6 +89,44 @@ def test_prompts_cycle_and_labels_follow_the_seed():
     assert counts == [2, 2, 3]
 
 
+def test_pairs_against_another_sampler():
+    """other_share 0.5 of 6 pairs: the last 3 set one answer of the sampler against one of `other`
+    (called once, on those prompts), each in an order drawn from the rng; the first 3 are as without it."""
+    calls = []
+
+    def own(prompts):
+        calls.append(("own", list(prompts)))
+        return [f"own {p} {i}" for i, p in enumerate(prompts)]
+
+    def start(prompts):
+        calls.append(("start", list(prompts)))
+        return [f"start {p}" for p in prompts]
+
+    prompts = ["p0", "p1", "p2", "p3", "p4", "p5"]
+    j = judge()
+    rng = random.Random(5)
+    got = sample_pairs(prompts, own, j, 6, rng, other=start, other_share=0.5)
+    picks = [prompts[i] for i in random.Random(5).sample(range(6), 6)]
+    assert calls == [("own", picks + picks[:3]), ("start", picks[3:])]
+    assert got.other == 3 and len(got.pairs) == 6
+    assert [(p.a, p.b) for p in got.pairs[:3]] == [(f"own {q} {i}", f"own {q} {6 + i}") for i, q in enumerate(picks[:3])]
+    for i, p in enumerate(got.pairs[3:], start=3):
+        assert {p.a, p.b} == {f"own {picks[i]} {i}", f"start {picks[i]}"} and p.prompt == picks[i]
+    # the order of each cross pair is the rng's coin, drawn after the prompts and before the labels
+    flips = random.Random(5)
+    flips.sample(range(6), 6)
+    firsts = ["start" if flips.random() < 0.5 else "own" for _ in range(3)]
+    assert [p.a.split()[0] for p in got.pairs[3:]] == firsts
+    # share 0 (or no other sampler) is the plain sampling, pair for pair
+    plain = sample_pairs(prompts, own, j, 6, random.Random(5))
+    for kw in ({"other": start, "other_share": 0.0}, {"other_share": 0.5}):
+        again = sample_pairs(prompts, own, j, 6, random.Random(5), **kw)
+        assert [(p.a, p.b, p.label) for p in again.pairs] == [(p.a, p.b, p.label) for p in plain.pairs]
+        assert again.other == 0
+    with pytest.raises(PPOLMError, match=r"must be in \[0, 1\]"):
+        sample_pairs(prompts, own, j, 6, random.Random(5), other=start, other_share=1.5)
+
+
 def test_bad_sampler_and_scorer_are_one_line():
     with pytest.raises(PPOLMError, match="one text per prompt"):
         onpolicy_check(["p0"], lambda ps: ["x"], length_proxy, judge(), 1, random.Random(0))
