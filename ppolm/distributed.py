@@ -298,11 +298,17 @@ class Sums:
 
 
 def checksum(tensors: Iterable[torch.Tensor]) -> str:
-    """sha256 of the tensors' bytes, in order (equal weights on every process give equal sums)."""
+    """sha256 of the tensors' bytes, in order (equal weights on every process give equal sums). An
+    FSDP-sharded tensor (DTensor) is gathered whole first: a collective, so every process must call
+    this with the same tensors."""
     import hashlib
+
+    from torch.distributed.tensor import DTensor
 
     h = hashlib.sha256()
     for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
         h.update(t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
