@@ -91,6 +91,6 @@ class LongSizes:
 
 
 LONG = LongSizes(steps=24, eval_every=3, kl_target=30.0, kl_coef=0.01, actor_lr=3e-4, check_pairs=32,
-                 refresh_every=4, refresh_pairs=48, refresh_steps=24)
+                 refresh_every=4, refresh_pairs=48, refresh_steps=24, refresh_start_share=0.5)
 LONG_QUICK = LongSizes(steps=4, eval_every=2, kl_target=30.0, kl_coef=0.01, actor_lr=5e-4, check_pairs=8,
-                       refresh_every=2, refresh_pairs=8, refresh_steps=4, confirm_samples=1)
+                       refresh_every=2, refresh_pairs=8, refresh_steps=4, refresh_start_share=0.5, confirm_samples=1)

@@ -113,9 +113,9 @@ class RewardConfig:
     """Pairs of the policy's answers to training prompts that the judge labels per refresh (up to N judge calls)."""
     rm_refresh_steps: int = 32
     """Reward-model optimiser steps per refresh, each batch half fresh and half replayed pairs; then it is re-normalised."""
-    rm_refresh_start_share: float = 0.0
-    """Share of each refresh's pairs that set the policy's answer against the starting policy's (0 = both from the
-    current policy); shows the judge what the policy has drifted from. docs/overoptimisation.md"""
+    rm_refresh_start_share: float = 0.5
+    """Share of a refresh's pairs setting the policy's answer against the starting policy's; 0 = both current.
+    why: docs/overoptimisation.md#results"""
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ppolm import cli, demo, demo_long
+from ppolm import cli, demo, demo_long, tracking
 
 
 def test_long_demo_runs_static_and_refreshed_proxy(tiny_policy_dir, tmp_path, monkeypatch, capsys):
@@ -28,6 +28,9 @@ def test_long_demo_runs_static_and_refreshed_proxy(tiny_policy_dir, tmp_path, mo
     for line in ("kl_target: 30.0", "steps: 4", "judge: ppolm.gold:review_judge", "rm_check_pairs: 4"):
         assert line in static_cfg and line in refresh_cfg, line
     assert "rm_refresh_every: 0" in static_cfg and "rm_refresh_every: 2" in refresh_cfg
+    assert "rm_refresh_start_share: 0.5" in refresh_cfg  # half of each refresh's pairs against the start
+    assert [r["rm_refresh/start_pairs"] for r in tracking.read_jsonl(out / "refresh" / "metrics.jsonl")
+            if "rm_refresh/round" in r] == [2, 2]
     assert (out / "refresh" / "reward_model_refreshed").is_dir() and not (out / "reward_model_refreshed").exists()
 
     long = state["overoptimisation"]

@@ -168,7 +168,7 @@ def test_refresh_against_the_starting_policy(micro_dir, rm_dir, judge_file, tmp_
     got = tracking.read_jsonl(a / "metrics.jsonl")
     assert [r["rm_refresh/start_pairs"] for r in got] == [3, 3]
     assert all(r["rm_refresh/pairs_added"] >= 1 for r in got)
-    assert main(args(micro_dir, rm_dir, b, steps=2, extra=opts)) == 0
+    assert main(args(micro_dir, rm_dir, b, steps=2, extra=[*opts, "--rm-refresh-start-share", "0"])) == 0
     plain = tracking.read_jsonl(b / "metrics.jsonl")
     assert [r["rm_refresh/start_pairs"] for r in plain] == [0, 0]
     # the first step's rollout and update come before any refresh: the same in both runs
