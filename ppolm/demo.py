@@ -82,7 +82,7 @@ class DemoConfig:
     threads: int = 0
     """CPU threads for torch; 0 = auto: every core, or 1 when the machine is already busy (load average >= cores). why: docs/defaults.md#threads"""
     overoptimisation: bool = False
-    """A longer run (about 20 minutes on 2 AVX-512 cores): PPO against the static proxy and, at one KL budget, a refreshed one. more: docs/demo.md#the-long-mode"""
+    """A longer run (about 25 minutes on 2 AVX-512 cores): PPO against the static proxy and, at one KL budget, a refreshed one. more: docs/demo.md#the-long-mode"""
     algorithms: str = "ppo"
     """Algorithms to compare, comma-separated: ppo plus any of grpo, dr-grpo, rloo, reinforce++(-baseline), remax, dpo. more: docs/demo.md#head-to-head"""
 
