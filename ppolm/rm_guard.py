@@ -49,7 +49,8 @@ class GuardOptions:
     refresh_steps: int = 32
     """Reward-model optimiser steps per refresh."""
     refresh_start_share: float = 0.0
-    """Share of each refresh's pairs that set the current policy's answer against the starting policy's."""
+    """Share of each refresh's pairs that set the current policy's answer against the starting policy's
+    (0 here, so that a guard needs no starting-policy sampler unless asked; ``ppolm ppo`` defaults to 0.5)."""
 
     def validate(self) -> None:
         for name in ("check_every", "check_pairs", "refresh_every"):
@@ -99,7 +100,7 @@ class RewardModelGuard:
 
     def sampler(self, policy: Any, tok: Any, **generation: Any) -> Sampler:
         """The policy as the check's and refresh's sampler (``generation``: response_length, temperature,
-        top_p, top_k, chat_template, batch_size of :func:`ppolm.rm_check.policy_sampler`), seeded from
+        top_p, top_k, chat_template, batch_size, adapter of :func:`ppolm.rm_check.policy_sampler`), seeded from
         this guard's stream and shared by the processes of a torchrun job."""
         return sharded_sampler(policy_sampler(policy, tok, rng=self.rng, **generation))
 
@@ -123,7 +124,8 @@ class RewardModelGuard:
                 start: Sampler | None = None) -> dict[str, float]:
         """Refresh every reward model on one set of fresh pairs and load the result into PPO's frozen
         models; returns the ``rm_refresh/...`` record. ``start``: the starting policy's sampler, for
-        the --rm-refresh-start-share of the pairs (:meth:`sampler` with ``start=True``)."""
+        the --rm-refresh-start-share of the pairs (:meth:`sampler` of the frozen reference, or of a LoRA
+        policy with ``adapter=False``)."""
         o = self.opts
         if o.refresh_start_share and start is None:
             raise PPOLMError("--rm-refresh-start-share needs a sampler of the starting policy")
