@@ -525,9 +525,12 @@ def test_actor_lr_warmup_ramps_the_policy_lr_only(tiny_policy_dir, tmp_path, rew
 def test_scaled_scores_make_the_kl_coefficient_independent_of_the_reward_scale(tiny_policy_dir, tmp_path,
                                                                                reward_file):
     """--score-scale std divides each score by the running std of every score so far: the reward
-    x 0.1 (--reward-fn-weights) then trains the same policy as the reward itself. auto (the
-    default) does so only outside the spread [0.05, 0.5]: x 0.01 and x 0.001 (spreads ~1e-3 and
-    ~1e-4) both come to 0.05 and train the same policy, while the raw scores (none) part."""
+    x 1/8 (--reward-fn-weights) then trains the same policy as the reward itself. auto (the
+    default) does so only outside the spread [0.05, 0.5]: x 2^-7 and x 2^-10 (spreads ~1e-3 and
+    ~1e-4) both come to 0.05 and train the same policy, while the raw scores (none) part. The
+    weights are powers of two, so that each scaled score is the same float bit for bit (scaling by
+    2^k commutes with rounding): the runs must then be identical, not merely close (a weight of 0.1
+    leaves rounding-level differences that can flip a sampled token on some CPUs)."""
     def policy(name: str, **over) -> dict[str, torch.Tensor]:
         rows = train_ppo(make_cfg(tiny_policy_dir, tmp_path / name, reward_file, steps=3, kl_coef=0.5,
                                   adaptive_kl=False, **over)).metrics
@@ -537,20 +540,19 @@ def test_scaled_scores_make_the_kl_coefficient_independent_of_the_reward_scale(t
     def worst(a: dict, b: dict) -> float:
         return max((a[k] - b[k]).abs().max().item() for k in a)
 
-    (one, rows1), (tenth, rows01) = policy("one", score_scale="std"), policy("tenth", score_scale="std",
-                                                                             reward_fn_weights=[0.1])
-    assert worst(one, tenth) < 1e-6
-    assert [r["objective/score_scale"] * 0.1 for r in rows1] == pytest.approx(
-        [r["objective/score_scale"] for r in rows01], rel=1e-6)
+    (one, rows1), (eighth, rows8) = policy("one", score_scale="std"), policy("eighth", score_scale="std",
+                                                                             reward_fn_weights=[2 ** -3])
+    assert worst(one, eighth) == 0
+    assert [r["objective/score_scale"] * 2 ** -3 for r in rows1] == [r["objective/score_scale"] for r in rows8]
     assert rows1[0]["objective/score_scale"] != 1.0
-    (small, rows_s), (smaller, rows_ss) = policy("small", reward_fn_weights=[0.01]), \
-        policy("smaller", reward_fn_weights=[0.001])
-    assert worst(small, smaller) < 1e-6
-    assert rows_s[0]["objective/score_scale"] < 0.05 and rows_s[0]["objective/score_scale"] == pytest.approx(
-        10 * rows_ss[0]["objective/score_scale"], rel=1e-6)
-    (raw, _), (raw_smaller, _) = policy("raw", score_scale="none", reward_fn_weights=[0.01]), \
-        policy("raw-smaller", score_scale="none", reward_fn_weights=[0.001])
-    assert worst(raw, raw_smaller) > 1e-5  # (scaled: ~1e-8 apart, float rounding)
+    (small, rows_s), (smaller, rows_ss) = policy("small", reward_fn_weights=[2 ** -7]), \
+        policy("smaller", reward_fn_weights=[2 ** -10])
+    assert worst(small, smaller) == 0
+    assert rows_s[0]["objective/score_scale"] < 0.05 and rows_s[0]["objective/score_scale"] == \
+        8 * rows_ss[0]["objective/score_scale"]
+    (raw, _), (raw_smaller, _) = policy("raw", score_scale="none", reward_fn_weights=[2 ** -7]), \
+        policy("raw-smaller", score_scale="none", reward_fn_weights=[2 ** -10])
+    assert worst(raw, raw_smaller) > 1e-5
 
 
 def test_the_score_unit_follows_the_spread_within_batches_not_the_climb(tiny_policy_dir, tmp_path, reward_file):
