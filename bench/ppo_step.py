@@ -101,6 +101,8 @@ def run_one(workload: str, precision: str, steps: int) -> dict:
             "train_s": med("time/train_s"), "step_s_all": [round(r["time/step_s"], 2) for r in rows],
             "plain_generate_s": round(statistics.median(gen_times[1:]), 3),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            # where the memory goes (ppolm's memory/* metrics, GB, medians over the steady steps)
+            **{k.removeprefix("memory/"): med(k) for k in rows[-1] if k.startswith("memory/rss_")},
             "torch_threads": torch.get_num_threads()}
 
 

@@ -16,7 +16,7 @@ The modules, from the bottom layer up (a module imports only from layers below i
 tests/test_layers.py keeps the graph free of cycles):
 
 1. ``errors``, ``core`` (the maths, torch only), ``atomic`` (atomic writes), ``config_sections``,
-   ``builtin_rewards``, ``tracking``, ``demo_sizes``;
+   ``builtin_rewards``, ``tracking``, ``demo_sizes``, ``memory`` (peak memory per phase);
 2. ``runtime`` (device, precision, seeds, signals), ``config``, ``data``, ``models`` (loading and
    saving models), ``gold``;
 3. ``distributed`` (torchrun), ``checkpoint``, ``rundir`` (the output-directory guard), ``scaffold``

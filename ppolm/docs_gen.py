@@ -78,6 +78,18 @@ PPO_METRICS: dict[str, str] = {
     "time/score_s": "seconds spent scoring and in the frozen models' pass (reference, reward models).",
     "time/train_s": "seconds spent in the PPO epochs.",
     "time/step_s": "seconds for the whole step.",
+    "memory/rss_start_gb": "(Linux) the process's resident memory (RSS) when the step began, GB: weights, optimiser "
+                           "states, the runtime and what the allocator kept from the last step; a steady climb is a leak.",
+    "memory/rss_rollout_gb": "(Linux) peak RSS while sampling (the KV cache), sampled every 5 ms (ppolm/memory.py).",
+    "memory/rss_score_gb": "(Linux) peak RSS in the frozen models' pass and the trained models' first pass.",
+    "memory/rss_train_gb": "(Linux) peak RSS in the PPO epochs (activations, gradients, optimiser states).",
+    "memory/rss_peak_gb": "(Linux) the step's peak RSS, the largest of the three; with torchrun, of the largest process.",
+    "memory/rss_max_gb": "the process's peak RSS since it started (`getrusage`, what `/usr/bin/time` reports).",
+    "memory/gpu_rollout_gb": "(CUDA) torch's allocator peak while sampling.",
+    "memory/gpu_score_gb": "(CUDA) torch's allocator peak in the frozen and first passes.",
+    "memory/gpu_train_gb": "(CUDA) torch's allocator peak in the PPO epochs.",
+    "memory/gpu_peak_gb": "(CUDA) the step's allocator peak, the largest of the three.",
+    "memory/gpu_reserved_gb": "(CUDA) the allocator's reserved peak in the step: what torch held from the driver.",
     "time/rm_check": "seconds spent on the on-policy reward-model check (sampling, judging, scoring).",
     "rm/onpolicy_accuracy": "(`--judge`) share of pairs of answers of the policy that sampled this step's batch that "
                             "the proxy reward model orders as the judge does (a proxy tie counts half); "
@@ -130,7 +142,7 @@ EVAL_METRICS: dict[str, str] = {
 }
 
 METRIC_PREFIXES = ("objective", "policy", "loss", "val", "adv", "response", "lr", "ppo", "guard", "time", "eval",
-                   "rm", "rm_refresh")
+                   "rm", "rm_refresh", "memory")
 """Prefixes of the metric names :func:`metric_names_in_code` collects (``reward/`` and ``alarm/``
 names are built from a source's or an alarm's name, so they are documented as patterns)."""
 

@@ -4,7 +4,8 @@ Names follow TRL's PPOTrainer and OpenAI's lm-human-preferences, so runs compare
 docs/details.md): ``objective/*`` (KL, its coefficient, entropy, scores, the RLHF reward),
 ``policy/*``, ``loss/*``, ``val/*`` (the critic: absent, as ``loss/value_avg`` and ``lr/critic``,
 for the critic-free estimators), ``adv/var``, ``response/length_mean``, the
-learning rates, ``guard/skipped_updates``, ``time/*`` and one ``reward/<source>`` per source.
+learning rates, ``guard/skipped_updates``, ``time/*``, ``memory/*`` and one ``reward/<source>`` per
+source.
 """
 
 from __future__ import annotations
@@ -14,20 +15,26 @@ from typing import Any
 
 import torch
 
-from ppolm import core, distributed
+from ppolm import core, distributed, memory
 from ppolm import rollout as ro
 from ppolm.advantages import Advantages
 from ppolm.ppo_config import PPOConfig
 
 
 class Clock:
-    """When a PPO step began and when each of its phases (rollout, score, train) ended."""
+    """When a PPO step began and when each of its phases (rollout, score, train) ended, and the peak
+    memory of each phase (:class:`ppolm.memory.PhasePeaks`, sampled until the last phase ends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.memory = memory.PhasePeaks(device)
+        self.memory.start()
         self.marks = [time.perf_counter()]
 
     def mark(self) -> None:
         self.marks.append(time.perf_counter())
+        self.memory.mark()
+        if len(self.marks) == len(memory.PHASES) + 1:
+            self.memory.stop()
 
     @property
     def times(self) -> tuple[float, float, float, float]:
@@ -37,11 +44,13 @@ class Clock:
 
 def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[str, torch.Tensor], *, eos_id: int,
                  beta: float, adv: Advantages, cfg: PPOConfig, lrs: tuple[float, float | None], epochs: int,
-                 skipped_total: int, times: tuple[float, float, float, float]) -> dict[str, Any]:
+                 skipped_total: int, times: tuple[float, float, float, float],
+                 mem: dict[str, float] | None = None) -> dict[str, Any]:
     """One PPO iteration's metrics row (names as TRL's PPOTrainer logs them, see docs/details.md);
     ``stats``: the update's per-microbatch values; ``adv``: steps 4 and 5's outcome; ``lrs``: the
     update's learning rates, the actor's and the critic's (None: no critic, no value metrics);
-    ``times``: when the step, and its score and train phases, began and when the update ended."""
+    ``times``: when the step, and its score and train phases, began and when the update ended;
+    ``mem``: the ``memory/*`` metrics of this process (the largest over the processes is logged)."""
     roll, mask = exp.roll, exp.mask
     lr, critic_lr = lrs
 
@@ -106,8 +115,13 @@ def step_metrics(exp: ro.Experience, stats: dict[str, list[float]], parts: dict[
         "time/train_s": t_train - t_score,
         "time/step_s": time.perf_counter() - t_start,
     }
+    mem = dict(mem or {})
     if distributed.world_size() > 1:  # each process decodes until its own longest response ends
-        metrics["time/rollout_max_s"] = distributed.all_max_floats([t_rollout - t_start])[0]
+        keys = sorted(mem)  # the same keys on every process (same device type and OS)
+        top = distributed.all_max_floats([t_rollout - t_start] + [mem[k] for k in keys])
+        metrics["time/rollout_max_s"] = top[0]
+        mem = dict(zip(keys, top[1:]))
+    metrics.update(mem)
     if critic_lr is None:
         for k in ("loss/value_avg", "val/clipfrac_avg", "val/vf_explained_var", "lr/critic"):
             del metrics[k]

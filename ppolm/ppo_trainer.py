@@ -234,7 +234,7 @@ class PPOTrainer:
         """One PPO iteration; returns (metrics, sample rows; the rows of every process on process 0).
         ``given``: (prompts, rollout) to learn from instead of sampling (this process's rows)."""
         cfg, a = self.cfg, self.cfg.algo
-        clock = ppo_metrics.Clock()
+        clock = ppo_metrics.Clock(self.device)
         prompts = self.prompt_batch(step) if given is None else given[0]
 
         # 1. Rollout: sample a response per row (no grad, KV cache), mask after EOS.
@@ -287,7 +287,7 @@ class PPOTrainer:
         self.control(kl, skipped, adv.zeroed)
         metrics = ppo_metrics.step_metrics(exp, stats, fo.parts, eos_id=self.eos_id, beta=beta, adv=adv, cfg=cfg,
                                            lrs=lrs, epochs=epochs_done, skipped_total=self.state.guard.skipped_total,
-                                           times=clock.times)
+                                           times=clock.times, mem=clock.memory.metrics())
         return metrics, self.samples(step, prompts, fo, exp)
 
     def rollout(self, prompts: list[Any], given: ro.Rollout | None) -> ro.Rollout:

@@ -1,0 +1,98 @@
+"""ppolm.memory: the peak memory of each phase of a step, checked against allocations of known size
+and against the kernel's own counters; and the memory/* metrics of a real PPO run."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import pytest
+import torch
+
+from ppolm import memory
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+
+MB = 1e6
+
+
+def status_kb(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+@linux
+def test_rss_is_the_kernels_resident_set():
+    # statm's resident pages times the page size is VmRSS (KiB) of /proc/self/status
+    before = memory.rss_bytes()
+    vm = status_kb("VmRSS") * 1024
+    assert abs(before - vm) < 8 * MB
+    # touching 200 MB of new memory raises it by 200 MB (and freeing it lowers it again)
+    x = torch.ones(50_000_000)  # 4 bytes each, written, hence resident
+    grown = memory.rss_bytes() - before
+    del x
+    gc.collect()
+    assert 190 * MB < grown < 230 * MB
+    assert memory.rss_bytes() - before < 40 * MB
+    assert memory.max_rss_bytes() >= status_kb("VmHWM") * 1024 - 8 * MB
+
+
+@linux
+def test_each_phase_gets_its_own_peak():
+    peaks = memory.PhasePeaks("cpu", interval=0.002)
+    peaks.start()
+    held = peaks.start_rss
+    # phase 0 holds 300 MB for 0.1 s, then frees it before its end: only sampling can see it
+    x = torch.ones(75_000_000)
+    time.sleep(0.1)
+    del x
+    gc.collect()
+    peaks.mark()
+    # phase 1 allocates nothing; phase 2 holds 100 MB at its end (read at the boundary)
+    time.sleep(0.02)
+    peaks.mark()
+    y = torch.ones(25_000_000)
+    peaks.mark()
+    peaks.stop()
+    p0, p1, p2 = (p - held for p in peaks.host)
+    assert 290 * MB < p0 < 340 * MB
+    assert p1 < 40 * MB
+    assert 95 * MB < p2 < 140 * MB
+    m = peaks.metrics()
+    assert m["memory/rss_rollout_gb"] == peaks.host[0] / 1e9
+    assert m["memory/rss_score_gb"] == peaks.host[1] / 1e9
+    assert m["memory/rss_train_gb"] == peaks.host[2] / 1e9
+    assert m["memory/rss_peak_gb"] == max(peaks.host) / 1e9 == m["memory/rss_rollout_gb"]
+    assert m["memory/rss_start_gb"] == held / 1e9
+    # (the kernel updates its high-water mark lazily: a few hundred KB behind the sampled RSS at times)
+    assert m["memory/rss_max_gb"] >= m["memory/rss_peak_gb"] - 0.008
+    assert not any(k.startswith("memory/gpu") for k in m)  # no GPU here
+    assert 0 <= peaks.sampler_cpu_s < 0.2
+    del y
+    # sampling does not lower what getrusage and /usr/bin/time report as the process's peak
+    assert memory.max_rss_bytes() >= held + 290 * MB
+
+
+def test_a_ppo_run_logs_its_memory(tiny_policy_dir, tmp_path):
+    from ppolm import config
+    from ppolm.ppo import train_ppo
+    from ppolm.ppo_config import PPOConfig
+
+    rewards = tmp_path / "r.py"
+    rewards.write_text("def n(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n")
+    cfg = config.build(PPOConfig, dict(model=str(tiny_policy_dir), reward_fn=[f"{rewards}:n"], steps=2,
+                                       batch_size=4, response_length=6, output_dir=str(tmp_path / "run"),
+                                       quiet=True, precision="fp32"))
+    rows = train_ppo(cfg).metrics
+    for row in rows:
+        assert row["memory/rss_max_gb"] > 0
+        if sys.platform.startswith("linux"):
+            phases = [row[f"memory/rss_{p}_gb"] for p in ("rollout", "score", "train")]
+            assert row["memory/rss_peak_gb"] == max(phases)
+            assert 0 < row["memory/rss_start_gb"] <= row["memory/rss_peak_gb"] <= row["memory/rss_max_gb"] + 0.008
+        if torch.cuda.is_available():  # (bench/gpu_check.sh runs this file on a GPU)
+            phases = [row[f"memory/gpu_{p}_gb"] for p in ("rollout", "score", "train")]
+            assert 0 < row["memory/gpu_peak_gb"] == max(phases) <= row["memory/gpu_reserved_gb"]
