@@ -4,7 +4,7 @@
 Not a test (pytest does not collect it) and not a benchmark: it runs PPO (full fine-tuning with a
 top-layers critic on the RM's trunk, the same without the shared trunk/prefix, LoRA, a shared value
 head, a critic from the policy, held-out evaluation), one ``sft`` and one ``reward`` run, all in
-fp32 on one thread, and records every metrics row (``time/*`` and other clock readings dropped) and
+fp32 on one thread, and records every metrics row (``time/*``, ``memory/*`` and other readings of the machine dropped) and
 the sha256 of every safetensors file written.
 
     python bench/golden.py record /tmp/golden_before.json
@@ -31,7 +31,7 @@ CLOCK_KEYS = {"time_s", "tokens_per_s", "elapsed_s"}
 
 
 def clean(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in row.items() if not k.startswith("time/") and k not in CLOCK_KEYS}
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "memory/")) and k not in CLOCK_KEYS}
 
 
 def hashes(out: Path) -> dict[str, str]:

@@ -63,6 +63,9 @@ def run(trainer: PPOTrainer) -> PPOResult:
             print(f"{'evaluating, then ' if evaluating and start == 0 else ''}running step "
                   f"{start + 1}/{cfg.algo.steps} (the progress bar starts after it)", file=sys.stderr)
             first_eval = held_out(trainer, 0) if evaluating and start == 0 else None
+            # best/ of the first evaluation is written after the first step: keep the weights it saw
+            first_weights = (ppo_outputs.policy_weights(trainer) if first_eval is not None and main
+                             and cfg.run.best_metric and not cfg.model.fsdp else None)
             first_check = watch.check(0, evaluating) if watch and start == 0 else {}
             first = trainer.step(start) if start < cfg.algo.steps else None
             if main:
@@ -86,7 +89,8 @@ def run(trainer: PPOTrainer) -> PPOResult:
                 live_alarms = alarms.LiveAlarms(kl_target=cfg.kl.kl_target if cfg.kl.adaptive_kl else None,
                                                 emit=tracker.warn, rows=tracking.read_jsonl(out / "metrics.jsonl"))
             if first_eval is not None:
-                log_eval(trainer, tracker, 0, (first_eval[0] | first_check, first_eval[1]))
+                log_eval(trainer, tracker, 0, (first_eval[0] | first_check, first_eval[1]), first_weights)
+                first_weights = None
             for step in range(start, cfg.algo.steps):
                 metrics, samples = first if step == start else trainer.step(step)
                 first = None
@@ -172,9 +176,11 @@ def held_out(trainer: PPOTrainer, updates: int) -> tuple[dict[str, Any], list[di
 
 
 def log_eval(trainer: PPOTrainer, tracker: Any, updates: int,
-             result: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
+             result: tuple[dict[str, Any], list[dict[str, Any]]],
+             weights: dict[str, Any] | None = None) -> None:
     """Write a held-out evaluation (every process computed its share; process 0 writes) and keep
-    the best policy."""
+    the best policy (``weights``: the policy's trained parameters when it was evaluated, if it has
+    moved on since)."""
     if tracker is not None:
         tracker.log_eval(updates, *result)
     name = trainer.cfg.run.best_metric
@@ -185,4 +191,4 @@ def log_eval(trainer: PPOTrainer, tracker: Any, updates: int,
         raise distributed.RankError(f"--best-metric {name} is not an eval metric; choose one of "
                                     f"{', '.join(k for k in metrics if k.startswith('eval/') and not k.endswith('_se'))}")
     if distributed.is_main() and trainer.state.improves(metrics[name]):
-        ppo_outputs.save_best(trainer, updates, name, metrics)
+        ppo_outputs.save_best(trainer, updates, name, metrics, weights)

@@ -118,14 +118,35 @@ def save(t: TrainedModels, out: Path) -> None:
             (tmp / "ppolm_value.json").write_text(json.dumps({"bias": float(t.value_bias.detach())}, indent=2))
 
 
-def save_best(trainer: PPOTrainer, updates: int, name: str, metrics: dict[str, Any]) -> None:
-    """The policy to best/ and its metric to best.json (--best-metric improved, e.g. a gold judge)."""
+def policy_weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
+    """The policy's trained parameters as they stand, by name: fp32 CPU copies of the optimiser's
+    masters (a bf16 model computes with rounded copies of them)."""
+    names = [n for n, p in trainer.policy.named_parameters() if p.requires_grad]
+    return {n: m.detach().float().cpu().clone() for n, m in zip(names, trainer.learner.actor.params)}
+
+
+def save_best(trainer: PPOTrainer, updates: int, name: str, metrics: dict[str, Any],
+              weights: dict[str, torch.Tensor] | None = None) -> None:
+    """The policy to best/ and its metric to best.json (--best-metric improved, e.g. a gold judge).
+    ``weights``: the trained parameters the evaluation saw (:func:`policy_weights`), when the policy
+    has moved on since (the first evaluation, logged after the first step); by default the current
+    ones. Saved in fp32, as policy/ is."""
     out = trainer.out
     best = out / "best"
-    if hasattr(trainer.policy, "merge_and_unload"):
-        trainer.policy.save_pretrained(str(best / "policy_adapter"))
-    else:
-        models.save_pretrained(trainer.policy, trainer.tokenizer, best / "policy")
+    if weights is None:  # (--fsdp: the model's own weights, as they are)
+        weights = {} if trainer.cfg.model.fsdp else policy_weights(trainer)
+    params = dict(trainer.policy.named_parameters())
+    kept = {n: params[n].data for n in weights}
+    try:
+        for n, w in weights.items():
+            params[n].data = w
+        if hasattr(trainer.policy, "merge_and_unload"):
+            trainer.policy.save_pretrained(str(best / "policy_adapter"))
+        else:
+            models.save_pretrained(trainer.policy, trainer.tokenizer, best / "policy")
+    finally:
+        for n, data in kept.items():
+            params[n].data = data
     atomic.write_text(out / "best.json", json.dumps(
         {"step": updates, "metric": name, "value": metrics[name], "se": metrics.get(name + "_se"),
          "kl": metrics["eval/kl"]}, indent=2))

@@ -358,7 +358,7 @@ def test_killed_process_ends_the_job_and_resume_is_exact(tiny_policy_dir, reward
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = (load_file(str(d / "policy" / "model.safetensors")) for d in (tmp_path / "full", out))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    rows_a, rows_b = ([{k: v for k, v in json.loads(x).items() if not k.startswith("time/")}
+    rows_a, rows_b = ([{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "memory/"))}
                        for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (tmp_path / "full", out))
     assert rows_a == rows_b
 

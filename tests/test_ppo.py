@@ -780,6 +780,34 @@ def test_heldout_eval_with_eval_only_scorer_and_best_checkpoint(tiny_policy_dir,
     assert (out / "best" / "policy" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_best_first_evaluation_keeps_the_starting_weights(tiny_policy_dir, tmp_path, reward_file, lora):
+    """The first evaluation (before any update) is logged after the first step, so that nothing is
+    written before a step succeeded; a best policy found there must still be the starting one: the
+    model itself (full fine-tuning) or an adapter whose B matrices are still zero (LoRA)."""
+    held = tmp_path / "held.txt"
+    held.write_text("Say something.\nName a colour.\n")
+    const = tmp_path / "const.py"
+    const.write_text("def const(prompts, completions, **kw):\n    return [0.5] * len(completions)\n")
+    out = tmp_path / "run"
+    train_ppo(make_cfg(tiny_policy_dir, out, reward_file, steps=2, eval_prompts=str(held), actor_lr=1e-3,
+                       eval_reward_fn=[f"{const}:const"], best_metric="eval/const", lora_r=4 if lora else 0))
+    assert json.loads((out / "best.json").read_text())["step"] == 0  # a constant never improves
+    if lora:
+        adapter = load_file(str(out / "best" / "policy_adapter" / "adapter_model.safetensors"))
+        final = load_file(str(out / "policy_adapter" / "adapter_model.safetensors"))
+        b = [k for k in adapter if "lora_B" in k]
+        assert b and all(adapter[k].abs().max() == 0 for k in b)
+        assert any(final[k].abs().max() > 0 for k in b)
+        return
+    start = load_file(str(tiny_policy_dir / "model.safetensors"))
+    best = load_file(str(out / "best" / "policy" / "model.safetensors"))
+    final = load_file(str(out / "policy" / "model.safetensors"))
+    assert set(best) == set(start)
+    assert all(best[k].dtype == torch.float32 and torch.equal(best[k], start[k]) for k in start)
+    assert any(not torch.equal(final[k], start[k]) for k in start)
+
+
 def test_rng_devices_are_the_device_in_use():
     from ppolm.runtime import rng_devices
 

@@ -68,7 +68,7 @@ def args(model, rm, out, steps=3, extra=()):
             "--critic-layers", "1", "--output-dir", str(out), *extra]
 
 
-def rows(path, drop=("time/",)):
+def rows(path, drop=("time/", "memory/")):
     """The metrics rows without wall times."""
     return [{k: v for k, v in r.items() if not k.startswith(drop) and k != "rm_refresh/seconds"}
             for r in tracking.read_jsonl(path)]
@@ -94,7 +94,7 @@ def test_check_every_step_logs_agreement_and_changes_nothing_else(micro_dir, rm_
         assert 0 <= r["rm/heldout_accuracy"] <= 1 and r["rm/heldout_pairs"] == 4  # 16 pairs, a quarter held out
     assert not (a / "reward_model_refreshed").exists()  # checked, never refreshed
     assert main(args(micro_dir, rm_dir, b)) == 0
-    assert rows(a / "metrics.jsonl", ("time/", "rm/")) == rows(b / "metrics.jsonl")
+    assert rows(a / "metrics.jsonl", ("time/", "memory/", "rm/")) == rows(b / "metrics.jsonl")
     assert tensors(a) == tensors(b) and len(tensors(a)) >= 2
 
 
@@ -172,8 +172,8 @@ def test_refresh_against_the_starting_policy(micro_dir, rm_dir, judge_file, tmp_
     plain = tracking.read_jsonl(b / "metrics.jsonl")
     assert [r["rm_refresh/start_pairs"] for r in plain] == [0, 0]
     # the first step's rollout and update come before any refresh: the same in both runs
-    before = {k: v for k, v in got[0].items() if not k.startswith(("time/", "rm_refresh/", "perf/"))}
-    assert before == {k: v for k, v in plain[0].items() if not k.startswith(("time/", "rm_refresh/", "perf/"))}
+    before = {k: v for k, v in got[0].items() if not k.startswith(("time/", "memory/", "rm_refresh/", "perf/"))}
+    assert before == {k: v for k, v in plain[0].items() if not k.startswith(("time/", "memory/", "rm_refresh/", "perf/"))}
     assert main(args(micro_dir, rm_dir, c, steps=1, extra=[*opts, *share])) == 0
     assert main(args(micro_dir, rm_dir, c, steps=2, extra=[*opts, *share, "--resume"])) == 0
     assert rows(a / "metrics.jsonl") == rows(c / "metrics.jsonl")

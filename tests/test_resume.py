@@ -73,7 +73,7 @@ def cli(args: list[str]) -> list[str]:
 
 
 def rows_without_time(path: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in tracking.read_jsonl(path)]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in tracking.read_jsonl(path)]
 
 
 def n_rows(path: Path) -> int:

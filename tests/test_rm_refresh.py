@@ -303,7 +303,7 @@ def test_guard_checks_and_refreshes_in_a_loop_and_resumes_bit_identically(tiny_p
                 row.update(guard.check(PROMPTS, sampler))
             if guard.refresh_due(step):
                 row.update(guard.refresh(PROMPTS, sampler))
-            log.append({k: v for k, v in row.items() if not k.startswith("time/") and not k.endswith("seconds")})
+            log.append({k: v for k, v in row.items() if not k.startswith(("time/", "memory/")) and not k.endswith("seconds")})
             if interrupt and step == 2:  # killed after the first refresh's checkpoint; a new process resumes
                 tensors, meta = guard.state_dict()
                 checkpoint.save(tmp_path / "ckpt", step, tensors, {"guard": meta}, keep_last=1)
