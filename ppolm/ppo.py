@@ -67,6 +67,8 @@ def run(trainer: PPOTrainer) -> PPOResult:
             first_weights = (ppo_outputs.policy_weights(trainer) if first_eval is not None and main
                              and cfg.run.best_metric and not cfg.model.fsdp else None)
             first_check = watch.check(0, evaluating) if watch and start == 0 else {}
+            if first_eval is not None:  # a wrong name fails here, before the output directory changes
+                check_best_metric(cfg.run.best_metric, first_eval[0] | first_check)
             first = trainer.step(start) if start < cfg.algo.steps else None
             if main:
                 trainer.output_dir().commit(cfg)
@@ -175,6 +177,14 @@ def held_out(trainer: PPOTrainer, updates: int) -> tuple[dict[str, Any], list[di
         return evaluate.during_ppo(trainer, updates)
 
 
+def check_best_metric(name: str | None, metrics: dict[str, Any]) -> None:
+    """--best-metric must name a metric of the held-out evaluation (every process has the metrics:
+    each stops here, process 0 says why)."""
+    if name is not None and name not in metrics:
+        raise distributed.RankError(f"--best-metric {name} is not an eval metric; choose one of "
+                                    f"{', '.join(k for k in metrics if k.startswith('eval/') and not k.endswith('_se'))}")
+
+
 def log_eval(trainer: PPOTrainer, tracker: Any, updates: int,
              result: tuple[dict[str, Any], list[dict[str, Any]]],
              weights: dict[str, Any] | None = None) -> None:
@@ -187,8 +197,6 @@ def log_eval(trainer: PPOTrainer, tracker: Any, updates: int,
     metrics = result[0]
     if name is None:
         return
-    if name not in metrics:  # every process has the metrics: each stops here, process 0 says why
-        raise distributed.RankError(f"--best-metric {name} is not an eval metric; choose one of "
-                                    f"{', '.join(k for k in metrics if k.startswith('eval/') and not k.endswith('_se'))}")
+    check_best_metric(name, metrics)
     if distributed.is_main() and trainer.state.improves(metrics[name]):
         ppo_outputs.save_best(trainer, updates, name, metrics, weights)

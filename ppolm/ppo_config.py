@@ -340,6 +340,12 @@ class PPOConfig:
         need(math.isfinite(r.reward_url_timeout) and r.reward_url_timeout > 0,
              f"--reward-url-timeout must be > 0 seconds; got {r.reward_url_timeout}")
         need(r.reward_url_retries >= 0, f"--reward-url-retries must be >= 0; got {r.reward_url_retries}")
+        for opt, weights in (("fn", r.reward_fn_weights), ("url", r.reward_url_weights),
+                             ("judge", r.reward_judge_weights)):
+            bad = [w for w in weights if not math.isfinite(w)]
+            need(not bad, f"--reward-{opt}-weights must be finite numbers; got {bad[0] if bad else ''}")
+        need(math.isfinite(r.reward_model_weight),
+             f"--reward-model-weight must be a finite number; got {r.reward_model_weight}")
         need(not r.reward_fn_weights or len(r.reward_fn_weights) == len(r.reward_fn),
              f"--reward-fn-weights has {len(r.reward_fn_weights)} values for {len(r.reward_fn)} --reward-fn; give one per function")
         need(r.length_penalty >= 0, "--length-penalty must be >= 0")

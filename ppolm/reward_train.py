@@ -108,6 +108,8 @@ class RewardTrainConfig(TrainRunControl, ModelLoading, LoRAOptions, TextEncoding
             raise PPOLMError("--center-coef must be >= 0, --norm-samples >= 2 and --norm-response-length >= 1")
         if self.norm_temperature <= 0:
             raise PPOLMError(f"--norm-temperature must be > 0; got {self.norm_temperature}")
+        if self.train_layers < -1:
+            raise PPOLMError(f"--train-layers must be -1 (every layer) or >= 0; got {self.train_layers}")
 
 
 def data_files(cfg: RewardTrainConfig) -> list[str]:
@@ -259,6 +261,12 @@ def _train_reward(cfg: RewardTrainConfig) -> tuple[list[dict[str, Any]], bool]:
     if not train:
         raise PPOLMError(f"{', '.join(data_files(cfg))} leave no training pairs after the held-out split; add rows or lower "
                          "--eval-fraction")
+    if cfg.normalize and cfg.norm_source == "samples" and (cfg.norm_policy or cfg.norm_prompts):
+        # the normalisation runs after training: its policy and prompts are checked now
+        norm_tok = tok if cfg.norm_policy is None else models.load_tokenizer(
+            cfg.norm_policy, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle)
+        if cfg.norm_prompts is not None:
+            load_prompts(cfg.norm_prompts, norm_tok, chat_template=cfg.chat_template)
     device = distributed.init(cfg.device, cfg.dist_timeout)  # torchrun: join the others (ppolm/distributed.py)
     if cfg.init_from is not None:
         old = models.load_tokenizer(cfg.init_from, trust_remote_code=cfg.trust_remote_code,

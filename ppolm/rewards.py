@@ -139,6 +139,10 @@ class RewardFunction:
     name: str
     fn: Callable[..., Any]
     weight: float
+    answered: bool = False
+    """Whether it has returned a batch: its first batch checks the wiring, so a NaN or infinite
+    number there is an error (as a reward service's, docs/rewards.md); later the non-finite guard
+    skips the update. ``None`` stands for "no score" and becomes NaN on any batch."""
 
     @property
     def is_async(self) -> bool:
@@ -166,6 +170,9 @@ class RewardFunction:
 
     def _values(self, out: Any, n: int) -> torch.Tensor:
         try:
+            out = list(out)
+            if any(isinstance(v, (str, bytes)) for v in out):  # float("1.5") would pass a string
+                raise TypeError
             values = [float("nan") if v is None else float(v) for v in out]
         except (TypeError, ValueError):
             what = type(out).__name__
@@ -177,6 +184,12 @@ class RewardFunction:
         if len(values) != n:
             raise PPOLMError(f"reward function '{self.name}' returned {len(values)} values for "
                              f"{n} completions; return one per completion")
+        if not self.answered:
+            bad = next((i for i, v in enumerate(out) if v is not None and not math.isfinite(values[i])), None)
+            if bad is not None:
+                raise PPOLMError(f"reward function '{self.name}' returned {values[bad]} for completion {bad} of its "
+                                 "first batch; a reward must be a finite number (or None for no score)")
+            self.answered = True
         return torch.tensor(values, dtype=torch.float32)
 
 

@@ -40,6 +40,12 @@ def words(prompts, completions, **kwargs):
 def lonely(x):
     return [0.0]
 
+def nan(prompts, completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+def numeric_strings(prompts, completions, **kwargs):
+    return ["1.5" for _ in completions]
+
 not_a_function = 3
 '''
 
@@ -238,6 +244,13 @@ CASES = [
      r"reward function 'one' returned 1 values for 4 completions; return one per completion"),
     ("reward-not-numbers", lambda i, t: {"reward_fn": f"{i.rewards}:words"},
      r"reward function 'words' must return a list of numbers"),
+    ("reward-nan-on-first-batch", lambda i, t: {"reward_fn": f"{i.rewards}:nan"},
+     r"reward function 'nan' returned nan for completion 0 of its first batch; a reward must be a finite number"),
+    ("reward-numeric-strings", lambda i, t: {"reward_fn": f"{i.rewards}:numeric_strings"},
+     r"reward function 'numeric_strings' must return a list of numbers; got a list holding '1\.5' \(str\)"),
+    ("reward-weight-nan", lambda i, t: {"reward_fn_weights": ["nan"]}, r"--reward-fn-weights must be finite numbers"),
+    ("best-metric-unknown", lambda i, t: {"eval_prompts": i.good_prompts, "best_metric": "eval/nope"},
+     r"--best-metric eval/nope is not an eval metric; choose one of eval/score"),
     ("reward-weights-count", lambda i, t: {"reward_fn_weights": [1.0, 2.0]},
      r"--reward-fn-weights has 2 values for 1 --reward-fn; give one per function"),
     # --- config values (command line and YAML)
@@ -397,7 +410,15 @@ REWARD_CASES = [
      r"'chosen' equals 'rejected', so the pair prefers nothing"),
     ("pairs-margin-not-number",
      lambda i, t: {"data": i.write("p3.jsonl", '{"prompt": "hi", "chosen": "a", "rejected": "b", "margin": "big"}\n')},
-     r"'margin' must be a number; got 'big'"),
+     r"'margin' must be a finite number; got 'big'"),
+    ("pairs-margin-nan",
+     lambda i, t: {"data": i.write("p5.jsonl", '{"prompt": "hi", "chosen": "a", "rejected": "b", "margin": NaN}\n')},
+     r"p5\.jsonl row 1: 'margin' must be a finite number; got nan"),
+    ("norm-policy-missing", lambda i, t: {"norm_policy": str(t / "gone")}, r"model path not found: .*gone"),
+    ("norm-prompts-bad-column", lambda i, t: {"norm_prompts": i.write("np.jsonl", '{"question": "why?"}\n')},
+     r"np\.jsonl row 1 has no 'prompt' or 'messages' column"),
+    ("train-layers-below-minus-one", lambda i, t: {"train_layers": -5},
+     r"--train-layers must be -1 \(every layer\) or >= 0; got -5"),
     ("pairs-truncated-json", lambda i, t: {"data": i.write("p4.jsonl", '{"prompt": "hi", "cho')},
      r"p4\.jsonl line 1 is not valid JSON"),
     ("norm-temperature-zero", lambda i, t: {"norm_temperature": 0}, r"--norm-temperature must be > 0; got 0\.0"),
