@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ppolm.errors import PPOLMError
+
 STALE_S = 3600.0
 """A shared directory's temporary left this long ago belongs to a process that died."""
 
@@ -48,6 +50,12 @@ def safetensors_os_errors(path: Path | str) -> Iterator[None]:
             raise
         code = int(found.group(1))
         raise OSError(code, os.strerror(code), str(path)) from e
+
+
+def check_file_target(path: str | Path | None, option: str) -> None:
+    """Refuse, before any work, an output file path that names a directory (one ``error:`` line)."""
+    if path is not None and Path(path).is_dir():
+        raise PPOLMError(f"{option} {path} is a directory; give a file path such as {Path(path) / 'results.json'}")
 
 
 def write_text(path: Path, text: str) -> None:

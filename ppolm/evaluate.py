@@ -82,6 +82,7 @@ class EvalConfig(ModelLoading):
         if self.reward_fn_weights and len(self.reward_fn_weights) != len(self.reward_fn):
             raise PPOLMError(f"--reward-fn-weights has {len(self.reward_fn_weights)} values for "
                              f"{len(self.reward_fn)} --reward-fn; give one per function")
+        atomic.check_file_target(self.output, "--output")
 
 
 @dataclass
@@ -110,6 +111,18 @@ class RewardEvalConfig(DeviceOptions):
             raise PPOLMError("reward-eval needs --reward-model DIR and --data PAIRS_FILE")
         if self.batch_size < 1:
             raise PPOLMError("--batch-size must be at least 1")
+        atomic.check_file_target(self.output, "--output")
+
+
+def strict_json(x: Any) -> Any:
+    """``x`` with every NaN or infinite float as None (null): strict JSON parsers reject NaN."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    return x
 
 
 def distinct_n(texts: list[str], n: int) -> float:
@@ -212,7 +225,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     if distributed.is_main():
         path = Path(cfg.output)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_text(path, json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+        atomic.write_text(path, json.dumps(strict_json(result), indent=1, ensure_ascii=False) + "\n")
     distributed.barrier()
     return result
 
@@ -292,7 +305,8 @@ def reward_eval(cfg: RewardEvalConfig) -> dict[str, Any]:
 
     out = {"reward_model": cfg.reward_model, "data": cfg.data, **evaluate_pairs(score, encoded, cfg.batch_size)}
     if cfg.output:
-        atomic.write_text(Path(cfg.output), json.dumps(out, indent=1) + "\n")
+        Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(Path(cfg.output), json.dumps(strict_json(out), indent=1) + "\n")
     return out
 
 

@@ -19,6 +19,7 @@ import errno
 import functools
 import hashlib
 import importlib.util
+import json
 import math
 import os
 from pathlib import Path
@@ -171,7 +172,21 @@ def _check_model_dir(path: Path, allow_pickle: bool) -> Path:
         raise PPOLMError(
             f"{path} has no config.json; pass a Hugging Face model directory, a .gguf file or {EMBEDDED_DEFAULT!r}"
         )
-    if any(path.glob("*.safetensors")):
+    try:
+        json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise PPOLMError(f"{path / 'config.json'} is not valid JSON ({e}); restore the model's config.json") from None
+    weights = sorted(path.glob("*.safetensors"))
+    if weights:
+        from safetensors import safe_open
+
+        for file in weights:  # reads each header only: a truncated or foreign file fails here, in one line
+            try:
+                with safe_open(file, framework="pt"):
+                    pass
+            except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+                raise PPOLMError(f"{file} is not a readable safetensors file ({e}); it may be truncated: "
+                                 "copy or save the model again") from None
         return path
     pickles = sorted(p.name for p in [*path.glob("*.bin"), *path.glob("*.pt")])
     if pickles and allow_pickle:

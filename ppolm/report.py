@@ -74,11 +74,20 @@ def load_run(run_dir: str | Path) -> Run:
     if not (d / "metrics.jsonl").is_file():
         raise PPOLMError(f"{d} holds no metrics.jsonl, so it is not a ppolm PPO run (or no step finished yet); "
                          "pass the --output-dir of a `ppolm ppo` run")
+    try:
+        rows = read_jsonl(d / "metrics.jsonl")
+    except UnicodeDecodeError:
+        raise PPOLMError(f"{d / 'metrics.jsonl'} is not UTF-8 text, so not a ppolm metrics file; pass the "
+                         "--output-dir of a `ppolm ppo` run") from None
+    if not rows:
+        raise PPOLMError(f"{d / 'metrics.jsonl'} holds no finished step yet; run the report once a step has finished")
+    if not all(isinstance(r, dict) and "objective/scores" in r for r in rows):
+        raise PPOLMError(f"{d / 'metrics.jsonl'} holds rows without objective/scores, so {d} is not a ppolm PPO run "
+                         "(sft, reward and dpo runs have no report); pass the --output-dir of a `ppolm ppo` run")
     cfg: dict[str, Any] = {}
     if (d / "config.yaml").is_file():
-
         cfg = load_yaml(d / "config.yaml")
-    return Run(d, read_jsonl(d / "metrics.jsonl"), read_jsonl(d / "eval.jsonl"), read_jsonl(d / "samples.jsonl"),
+    return Run(d, rows, read_jsonl(d / "eval.jsonl"), read_jsonl(d / "samples.jsonl"),
                read_jsonl(d / "eval_samples.jsonl"), cfg, _json(d / "best.json"), _json(d / "demo.json"))
 
 

@@ -161,6 +161,18 @@ def ppo_argv(inputs: Inputs, out: Path, over: dict) -> list[str]:
     return argv
 
 
+def damaged_copy(model: Path, t: Path, damage: str) -> Path:
+    """A copy of a model directory with its weights cut in half or its config.json broken."""
+    out = t / f"damaged-{damage}"
+    shutil.copytree(model, out)
+    if damage == "weights":
+        w = out / "model.safetensors"
+        w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    else:
+        (out / "config.json").write_text("{bad")
+    return out
+
+
 def check_error(rc: int, err: str, expect: str) -> None:
     import re
 
@@ -211,6 +223,10 @@ CASES = [
     ("model-pickle-weights", lambda i, t: {"model": i.pickle_only},
      r"has only pickle weights \(pytorch_model\.bin\), which are refused .*--allow-pickle"),
     ("model-dir-without-config", lambda i, t: {"model": i.no_config}, r"no_config has no config\.json"),
+    ("model-truncated-weights", lambda i, t: {"model": damaged_copy(i.model, t, "weights")},
+     r"damaged-weights/model\.safetensors is not a readable safetensors file .*copy or save the model again"),
+    ("model-bad-config-json", lambda i, t: {"model": damaged_copy(i.model, t, "config")},
+     r"damaged-config/config\.json is not valid JSON .*restore the model's config\.json"),
     ("model-path-missing", lambda i, t: {"model": t / "gone" / "model"}, r"model path not found: .*gone/model"),
     ("model-unknown-name", lambda i, t: {"model": "smollm2-135m-instrukt"},
      r"unknown model 'smollm2-135m-instrukt'.*did you mean 'smollm2-135m-instruct'"),
@@ -511,3 +527,15 @@ def test_world_size_without_torchrun_is_one_line(inputs, tmp_path):
                        timeout=300)
     check_error(p.returncode, p.stderr, r"WORLD_SIZE=2 is set but MASTER_ADDR is not; launch with torchrun")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "reward-eval"])
+def test_an_output_file_that_is_a_directory_is_refused_before_any_work(inputs, tmp_path, capsys, command):
+    taken = tmp_path / "results"
+    taken.mkdir()
+    pairs = inputs.write("eval_pairs.jsonl", json.dumps({"prompt": "hi", "chosen": "a", "rejected": "b"}) + "\n")
+    argv = ([command, "--policy", str(inputs.model), "--prompts", str(inputs.good_prompts)] if command == "eval"
+            else [command, "--reward-model", str(inputs.model), "--data", str(pairs)])
+    rc = main(argv + ["--output", str(taken), "--device", "cpu"])
+    check_error(rc, capsys.readouterr().err, r"--output .*results is a directory; give a file path such as")
+    assert list(taken.iterdir()) == []

@@ -287,6 +287,26 @@ def test_report_refuses_a_non_run(tmp_path, capsys):
     assert err.startswith("error:") and "nope" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("metrics, expect", [
+    (b"\xff\xfe\x00", r"metrics\.jsonl is not UTF-8 text, so not a ppolm metrics file"),
+    (b"", r"metrics\.jsonl holds no finished step yet"),
+    (b"[1, 2]\n", r"holds rows without objective/scores, so .* is not a ppolm PPO run"),
+    (b'{"epoch": 1, "train_loss": 0.5}\n', r"holds rows without objective/scores, so .* is not a ppolm PPO run"),
+])
+def test_report_refuses_what_is_not_a_ppo_run(tmp_path, capsys, metrics, expect):
+    """Damaged metrics and the run directories of other commands (sft writes epoch rows): one error
+    line, and no report.html or plots/ written into them."""
+    import re
+
+    from ppolm import cli
+
+    (tmp_path / "metrics.jsonl").write_bytes(metrics)
+    assert cli.main(["report", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and re.search(expect, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
 def test_onpolicy_agreement_is_plotted_against_kl(tmp_path):
     """--judge's check: rm/onpolicy_accuracy (with its SE) in KL order, from the evaluations when they
     hold it, else from the steps' rows; no plot without a check."""
