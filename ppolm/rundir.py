@@ -25,8 +25,24 @@ from ppolm.errors import PPOLMError
 
 RUN_CONTROL = {"resume", "overwrite", "quiet", "steps", "epochs", "save_every", "keep_last", "sample_every",
                "max_skipped_updates", "dist_timeout", "reward_url_timeout", "reward_url_retries",
-               "reward_url_batch_size"}
-"""Options a resumed run may change (of any section); every other option must match the run it continues."""
+               "reward_url_batch_size", "output_dir"}
+"""Options a resumed run may change (of any section); every other option must match the run it continues.
+(``output_dir`` is the run being resumed, however it is spelled or wherever it was moved.)"""
+
+
+def same_path(old: Any, new: Any) -> bool:
+    """Two spellings of one existing file or directory ("runs/sft" and "/home/me/runs/sft/"), also as
+    the file of a "FILE.py:function" spec."""
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    if ":" in old and ":" in new:
+        (old, f_old), (new, f_new) = old.rsplit(":", 1), new.rsplit(":", 1)
+        if f_old != f_new:
+            return False
+    try:
+        return os.path.samefile(os.path.expanduser(old), os.path.expanduser(new))
+    except (OSError, ValueError):
+        return False
 
 
 def find(saved: Any, key: str) -> Any:
@@ -46,7 +62,11 @@ def config_difference(saved: Any, now: dict[str, Any]) -> str:
         return f"the saved config is a {type(saved).__name__}, not a mapping"
 
     def same(old: Any, new: Any) -> bool:  # an option that became repeatable: v then is [v] now
-        return old == new or (isinstance(new, list) and not isinstance(old, list) and new == [old])
+        if isinstance(new, list) and not isinstance(old, list):
+            old = [old]
+        if isinstance(old, list) and isinstance(new, list):
+            return len(old) == len(new) and all(a == b or same_path(a, b) for a, b in zip(old, new))
+        return old == new or same_path(old, new)
 
     for key, value in now.items():
         if isinstance(value, dict):

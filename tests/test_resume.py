@@ -368,3 +368,24 @@ def test_checkpoints_hold_no_pickle_and_full_state(micro_dir, reward_file, tmp_p
     assert any(k.startswith("critic_opt.") for k in tensors)
     for f in out.rglob("*"):
         assert f.suffix not in (".bin", ".pt", ".pkl", ".pth"), f
+
+
+def test_resume_takes_other_spellings_of_the_same_paths_and_a_moved_run(micro_dir, reward_file, tmp_path,
+                                                                        monkeypatch):
+    """The model and reward file given relative then absolute, the output directory with a trailing
+    slash and then moved elsewhere: the same run, so --resume continues it; another model is refused."""
+    monkeypatch.chdir(tmp_path)
+    os.symlink(micro_dir, tmp_path / "model")
+    (tmp_path / "rewards.py").write_text(REWARD_FILE)
+    args = dict(steps=1, extra=("--lr-schedule", "constant"))
+    assert main(ppo_args("model", "rewards.py", "run", **args)) == 0
+    args = dict(steps=2, extra=("--lr-schedule", "constant", "--resume"))
+    assert main(ppo_args(tmp_path / "model", tmp_path / "rewards.py", str(tmp_path / "run") + "/", **args)) == 0
+    os.rename(tmp_path / "run", tmp_path / "moved")
+    args = dict(steps=3, extra=("--lr-schedule", "constant", "--resume"))
+    assert main(ppo_args(micro_dir, "rewards.py", "moved", **args)) == 0
+    assert [r["step"] for r in tracking.read_jsonl(tmp_path / "moved" / "metrics.jsonl")] == [0, 1, 2]
+    other = build_tiny_model_dir(tmp_path / "other", kind="causal", seed=1, num_layers=1, hidden_size=16, heads=2,
+                                 kv_heads=1, intermediate_size=32)
+    args = dict(steps=4, extra=("--lr-schedule", "constant", "--resume"))
+    assert main(ppo_args(other, "rewards.py", "moved", **args)) == 2
