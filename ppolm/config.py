@@ -162,6 +162,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     import yaml
 
     p = Path(path)
+    if p.is_dir():
+        raise PPOLMError(f"config file {p} is a directory; pass the path of a YAML file to --config")
     if not p.is_file():
         raise PPOLMError(f"config file {p} does not exist; pass the path of a YAML file to --config")
     try:

@@ -9,6 +9,7 @@ by ``datasets.Dataset.save_to_disk``.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,10 +96,15 @@ def _read_with_datasets(p: Path, kind: str) -> list[dict[str, Any]]:
     import datasets
 
     datasets.disable_progress_bars()
+    log = logging.getLogger("datasets")
+    level, log.level = log.level, logging.CRITICAL  # it logs the reader's error too: one line, ours, is enough
     try:
         ds = datasets.Dataset.from_parquet(str(p)) if kind == "parquet" else datasets.Dataset.from_csv(str(p))
     except Exception as e:  # pyarrow raises many types for a corrupt file
-        raise PPOLMError(f"{p} could not be read as {kind} ({type(e).__name__}); check the file") from None
+        detail = str(e).split("\n")[0][:160]
+        raise PPOLMError(f"{p} could not be read as {kind} ({type(e).__name__}: {detail}); check the file") from None
+    finally:
+        log.setLevel(level)
     return ds.to_list()
 
 

@@ -60,6 +60,8 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
     target, _, name = spec.rpartition(":")
     if target.endswith(".py") or "/" in target or Path(target).is_file():
         path = Path(target)
+        if path.is_dir():
+            raise PPOLMError(f"reward function file {path} is a directory; give the .py file in '{spec}'")
         if not path.is_file():
             raise PPOLMError(f"reward function file {path} does not exist; check the path in '{spec}'")
         mod_name = f"ppolm_user_reward_{abs(hash(str(path.resolve())))}"

@@ -137,6 +137,9 @@ def build_app(score: Callable[[list[str]], list[float]], name: str, batch_size: 
             return answer({"error": "the body needs \"query\": a list of prompt+response strings"}, 400)
         if not query:
             return answer({"rewards": []})
+        empty = next((i for i, q in enumerate(query) if not q), None)
+        if empty is not None:  # no token to score (alone it cannot be scored; in a batch it would score padding)
+            return answer({"error": f"query {empty} is an empty string; send prompt+response texts"}, 400)
         try:
             rewards = await batcher.submit(query)
         except Exception as e:

@@ -87,6 +87,8 @@ def test_concurrent_requests_share_forward_passes(served, normed_rm):
     (b'{"query": "one text"}', "list of prompt+response strings"),
     (b'{"query": [1, 2]}', "list of prompt+response strings"),
     (b'[1, 2]', "needs \\\"query\\\""),
+    (b'{"query": [""]}', "query 0 is an empty string"),
+    (b'{"query": ["x", ""]}', "query 1 is an empty string"),
 ])
 def test_bad_requests_get_400_with_a_json_error(served, body, expect):
     r = httpx.post(served.url + "/get_reward", content=body, headers={"content-type": "application/json"})
