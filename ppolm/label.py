@@ -354,19 +354,33 @@ def run(cfg: LabelConfig) -> int:
     thread.start()
     shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
-    s = store.state()
-    print(f"labelling {s['total']} prompts, {cfg.k} answers each ({s['done']} judged, {s['sampled']} sampled so far); "
-          f"open {url}", flush=True)
-    if not local:
-        print(f"listening on {cfg.host}: every request must carry the access token", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-    try:
+    try:  # (a Ctrl-C before uvicorn takes the signal over lands here too)
+        s = store.state()
+        print(f"labelling {s['total']} prompts, {cfg.k} answers each ({s['done']} judged, {s['sampled']} sampled so "
+              f"far); open {url}", flush=True)
+        if not local:
+            print(f"listening on {cfg.host}: every request must carry the access token", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its shutdown; every judgement is on disk
         pass
     finally:
         sampler.stop.set()
         sock.close()
+    # The sampler stops between batches. Left running, it would be killed inside torch when Python
+    # exits, which aborts the process ("terminate called without an active exception").
+    if thread.is_alive():
+        print("finishing the batch of answers being sampled (Ctrl-C again to quit at once)", file=sys.stderr,
+              flush=True)
+        try:
+            thread.join()
+        except KeyboardInterrupt:  # every judgement is on disk; the unfinished batch is sampled again next time
+            s = store.state()
+            print(f"stopped: {s['done']}/{s['total']} prompts judged, {s['pairs']} pairs in {out / 'pairs.jsonl'}; "
+                  "run the same command to continue", flush=True)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
     s = store.state()
     print(f"stopped: {s['done']}/{s['total']} prompts judged, {s['pairs']} pairs in {out / 'pairs.jsonl'}; "
           "run the same command to continue", flush=True)

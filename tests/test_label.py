@@ -351,3 +351,31 @@ def test_two_rounds_label_reward_ppo(tiny_policy_dir, inputs, tmp_path):
     kl_sft, kl_self = rows(tmp_path / "ppo2")[0]["objective/kl"], rows(tmp_path / "ppo2_self")[0]["objective/kl"]
     assert abs(kl_self) < 1e-4 and abs(kl_sft) > 100 * max(abs(kl_self), 1e-6)  # k1 can be < 0 on samples
     assert (tmp_path / "ppo2" / "policy" / "model.safetensors").is_file()
+
+
+def test_ctrl_c_while_sampling_stops_cleanly(tiny_policy_dir, tmp_path):
+    """Ctrl-C as soon as the page is up, while the sampler thread loads the model and samples: the
+    command waits for the batch in flight and exits 0 (the thread, killed inside torch at exit,
+    used to abort the process with "terminate called without an active exception")."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(24)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "ppolm", "label", "--model", str(tiny_policy_dir), "--prompts",
+                             str(prompts), "--output-dir", str(tmp_path / "lab"), "--port", "0", "--response-length",
+                             "16", "--batch-size", "4", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert re.search(r"open http://", proc.stdout.readline())
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "terminate called" not in err and "Traceback" not in err, err
+    assert "stopped: 0/24 prompts judged" in out
