@@ -149,6 +149,17 @@ def _type_name(t: Any) -> str:
     return s + ("|none" if optional else "")
 
 
+def metavar(t: Any) -> str | None:
+    """The placeholder after an option's flag in its help: the value's type (a repeatable option's
+    element type, since each use takes one value); None for a choice, which argparse lists."""
+    inner, _ = _optional_inner(t)
+    if get_origin(inner) is Literal:
+        return None
+    if get_origin(inner) is list:
+        return _type_name(get_args(inner)[0]).upper()
+    return _type_name(t).upper()
+
+
 def unknown_key(name: str, known: list[str], where: str) -> PPOLMError:
     prefix, _, leaf = name.rpartition(".")  # compare 'algo.lr' with the section's keys, not the prefix
     close = difflib.get_close_matches(leaf, [k.removeprefix(prefix + ".") if prefix else k for k in known],
@@ -300,10 +311,10 @@ def add_arguments(parser: Any, cfg_cls: type) -> None:
                 group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)
             elif get_origin(inner) is list:
-                group.add_argument(flag, dest=name, action="append", default=None, help=help_text)
+                group.add_argument(flag, dest=name, action="append", default=None, metavar=metavar(t),
+                                   help=help_text)
             else:
-                group.add_argument(flag, dest=name, default=None, metavar=_type_name(t).upper()
-                                   if get_origin(inner) is not Literal else None,
+                group.add_argument(flag, dest=name, default=None, metavar=metavar(t),
                                    choices=get_args(inner) if get_origin(inner) is Literal else None,
                                    help=help_text)
 

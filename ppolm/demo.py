@@ -62,7 +62,7 @@ class DemoConfig:
     output_dir: str = "runs/demo"
     """Where everything goes: pairs, the proxy reward model, the PPO run, report.html."""
     quick: bool = False
-    """A smaller run (about 4 minutes on 2 CPU cores) that checks the pipeline, too short to show much."""
+    """A smaller run (about 3 minutes on 2 CPU cores) that checks the pipeline, too short to show much."""
     overwrite: bool = False
     """Replace the demo files in an existing --output-dir."""
     resume: bool = False

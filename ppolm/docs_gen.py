@@ -17,7 +17,6 @@ import importlib
 import re
 import sys
 from pathlib import Path
-from typing import Literal, get_origin
 
 from ppolm import config
 from ppolm.cli import COMMANDS
@@ -195,7 +194,7 @@ def options_markdown() -> str:
                 _sec, f, t = leaves[opt]
                 inner, _ = config._optional_inner(t)
                 flag = opt.replace("_", "-")
-                meta = config._type_name(t) if get_origin(inner) is Literal else config._type_name(t).upper()
+                meta = config.metavar(t) or config._type_name(t)  # a choice: {a,b,c}, as argparse shows it
                 flag = f"--[no-]{flag}" if inner is bool else f"--{flag} {meta}"
                 doc = config.option_help(cls, opt).rsplit(" [default: ", 1)[0]
                 lines.append(f"| `{_cell(flag)}` | `{config.default_text(f)}` | {_cell(doc)} |")
@@ -222,9 +221,11 @@ def metrics_markdown() -> str:
     lines += [f"| `{n}` | {_cell(m)} |" for n, m in EVAL_METRICS.items()]
     lines += ["", "## `ppolm sft`, `reward`, `dpo`", "",
               "One row per epoch in their metrics.jsonl: `epoch`, the training loss (`train_loss`, `loss` for",
-              "dpo) and, with held-out data, `eval_loss` (reward: also `eval_accuracy` and `eval_margin`);",
-              "dpo adds TRL's `rewards/chosen`, `rewards/rejected`, `rewards/margins`, `rewards/accuracies`,",
-              "`logps/chosen` and `logps/rejected`; `guard/skipped_updates` counts skipped updates."]
+              "dpo) and, with held-out data, `eval_loss` for sft and reward (reward: also `eval_accuracy` and",
+              "`eval_margin`); dpo adds TRL's `rewards/chosen`, `rewards/rejected`, `rewards/margins`,",
+              "`rewards/accuracies`, `logps/chosen` and `logps/rejected`, and on held-out data the same names",
+              "under `eval/` (`eval/loss`, `eval/rewards/accuracies`, ...); `guard/skipped_updates` counts skipped",
+              "updates."]
     return "\n".join(lines) + "\n"
 
 
