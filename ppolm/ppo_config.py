@@ -76,7 +76,7 @@ class RewardConfig:
     length_budget: int = 0
     """Response tokens free of --length-penalty: score -= length_penalty * max(0, length - budget). A budget keeps the penalty from favouring empty or clipped answers."""
     whiten_rewards: bool = False
-    """Whiten the per-token rewards over the batch (scale only, mean kept; OpenAI detail 11). Needs batch >= 8."""
+    """Whiten the per-token rewards over the batch (scale only, mean kept; OpenAI detail 11). Meant for batches of 8 or more."""
     score_scale: Literal["auto", "std", "none"] = "auto"
     """Score divisor before the KL penalty: auto brings the within-batch spread into [0.05, 0.5]; std: that spread; none: 1. why: docs/defaults.md#score-scale"""
     score_center: Literal["auto", "running", "none"] = "auto"

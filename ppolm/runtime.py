@@ -79,7 +79,7 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
     return False, "this CPU has neither AMX nor AVX512-BF16, so bf16 would be emulated and slower than fp32"
 
 
-_SAID: set[tuple[str, str, str]] = set()
+_SAID: set[tuple[str, str]] = set()
 _PENDING: list[str] = []
 
 
@@ -94,7 +94,7 @@ def resolve_precision(name: str, device: torch.device, *, say: bool = True) -> s
         chosen, reason = ("bf16" if ok else "fp32"), f"auto: {why}"
     else:
         chosen, reason = name, "as asked"
-    key = (name, chosen, device.type)
+    key = (chosen, device.type)  # once: a later stage resolving the already chosen precision says nothing
     if say and key not in _SAID:
         _SAID.add(key)
         _PENDING.append(f"precision: {chosen} on {device.type} ({reason})")

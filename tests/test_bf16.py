@@ -161,9 +161,14 @@ def test_auto_precision_says_what_it_picked_and_why(capsys):
     runtime.announce()
     err = capsys.readouterr().err
     assert f"precision: {chosen} on cpu (auto: " in err and why in err
-    assert runtime.resolve_precision("fp32", torch.device("cpu")) == "fp32"
+    # a later stage asking for the precision already chosen says nothing; another precision is said
+    assert runtime.resolve_precision(chosen, torch.device("cpu")) == chosen
     runtime.announce()
-    assert "(as asked)" in capsys.readouterr().err
+    assert capsys.readouterr().err == ""
+    other = "fp32" if chosen == "bf16" else "bf16"
+    assert runtime.resolve_precision(other, torch.device("cpu")) == other
+    runtime.announce()
+    assert f"precision: {other} on cpu (as asked)" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------
