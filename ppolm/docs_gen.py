@@ -79,6 +79,8 @@ PPO_METRICS: dict[str, str] = {
     "time/step_s": "seconds for the whole step.",
     "memory/rss_start_gb": "(Linux) the process's resident memory (RSS) when the step began, GB: weights, optimiser "
                            "states, the runtime and what the allocator kept from the last step; a steady climb is a leak.",
+    "memory/rss_floor_gb": "(Linux) the lowest RSS sampled in the step: what the models, optimiser states and runtime "
+                           "hold once ppolm has handed freed memory back before the training pass.",
     "memory/rss_rollout_gb": "(Linux) peak RSS while sampling (the KV cache), sampled every 5 ms (ppolm/memory.py).",
     "memory/rss_score_gb": "(Linux) peak RSS in the frozen models' pass and the trained models' first pass.",
     "memory/rss_train_gb": "(Linux) peak RSS in the PPO epochs (activations, gradients, optimiser states).",

@@ -76,6 +76,7 @@ class PhasePeaks:
         self.start_rss: int | None = None
         self.sampler_cpu_s = 0.0
         self._current = 0
+        self.floor: int | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -88,11 +89,15 @@ class PhasePeaks:
         with self._lock:
             if now > self._current:
                 self._current = now
+            if self.floor is None or now < self.floor:
+                self.floor = now
 
     def _open(self) -> None:
         now = rss_bytes()
         with self._lock:
             self._current = now or 0
+            if now is not None and (self.floor is None or now < self.floor):
+                self.floor = now
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -123,15 +128,17 @@ class PhasePeaks:
             self._thread = None
 
     def metrics(self) -> dict[str, float]:
-        """``memory/rss_<phase>_gb`` for each closed phase of :data:`PHASES`, ``memory/rss_peak_gb`` (their maximum) and
-        ``memory/rss_start_gb`` (Linux); ``memory/rss_max_gb``, the process's peak since it started;
-        on CUDA ``memory/gpu_<phase>_gb``, ``memory/gpu_peak_gb`` and ``memory/gpu_reserved_gb``."""
+        """``memory/rss_<phase>_gb`` for each closed phase of :data:`PHASES`, ``memory/rss_peak_gb``
+        (their maximum), ``memory/rss_start_gb`` and ``memory/rss_floor_gb`` (the lowest RSS sampled),
+        on Linux; ``memory/rss_max_gb``, the process's peak since it started; on CUDA
+        ``memory/gpu_<phase>_gb``, ``memory/gpu_peak_gb`` and ``memory/gpu_reserved_gb``."""
         out: dict[str, float] = {}
         if self.start_rss is not None and self.host:
             for name, peak in zip(HOST_METRICS, self.host):
                 out[name] = peak / GB
             out["memory/rss_peak_gb"] = max(self.host) / GB
             out["memory/rss_start_gb"] = self.start_rss / GB
+            out["memory/rss_floor_gb"] = (self.floor or self.start_rss) / GB
         top = max_rss_bytes()
         if top is not None:
             out["memory/rss_max_gb"] = top / GB

@@ -67,6 +67,7 @@ def test_each_phase_gets_its_own_peak():
     assert m["memory/rss_train_gb"] == peaks.host[2] / 1e9
     assert m["memory/rss_peak_gb"] == max(peaks.host) / 1e9 == m["memory/rss_rollout_gb"]
     assert m["memory/rss_start_gb"] == held / 1e9
+    assert abs(m["memory/rss_floor_gb"] - held / 1e9) < 0.04 and m["memory/rss_floor_gb"] <= min(peaks.host) / 1e9
     # (the kernel updates its high-water mark lazily: a few hundred KB behind the sampled RSS at times)
     assert m["memory/rss_max_gb"] >= m["memory/rss_peak_gb"] - 0.008
     assert not any(k.startswith("memory/gpu") for k in m)  # no GPU here
@@ -93,6 +94,7 @@ def test_a_ppo_run_logs_its_memory(tiny_policy_dir, tmp_path):
             phases = [row[f"memory/rss_{p}_gb"] for p in ("rollout", "score", "train")]
             assert row["memory/rss_peak_gb"] == max(phases)
             assert 0 < row["memory/rss_start_gb"] <= row["memory/rss_peak_gb"] <= row["memory/rss_max_gb"] + 0.008
+            assert 0 < row["memory/rss_floor_gb"] <= min(phases)
         if torch.cuda.is_available():  # (bench/gpu_check.sh runs this file on a GPU)
             phases = [row[f"memory/gpu_{p}_gb"] for p in ("rollout", "score", "train")]
             assert 0 < row["memory/gpu_peak_gb"] == max(phases) <= row["memory/gpu_reserved_gb"]
