@@ -26,6 +26,7 @@ import os
 import random
 import re
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -351,20 +352,28 @@ def run(cfg: LabelConfig) -> int:
     local = cfg.host in LOCAL_HOSTS
     app = make_app(store, token, LOCAL_HOSTS if local else None)
     thread = threading.Thread(target=sampler.run, name="ppolm-label-sampler", daemon=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        # Ctrl-C before uvicorn takes the signal over (or after it gives it back) asks the server to
+        # stop; while it serves, uvicorn's own handler does the same. A KeyboardInterrupt raised at
+        # a random point of its start-up could leave it serving.
+        server.should_exit = True
+
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     thread.start()
     shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
-    try:  # (a Ctrl-C before uvicorn takes the signal over lands here too)
+    try:
         s = store.state()
         print(f"labelling {s['total']} prompts, {cfg.k} answers each ({s['done']} judged, {s['sampled']} sampled so "
               f"far); open {url}", flush=True)
         if not local:
             print(f"listening on {cfg.host}: every request must carry the access token", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its shutdown; every judgement is on disk
-        pass
+        if not server.should_exit:
+            server.run(sockets=[sock])
     finally:
+        signal.signal(signal.SIGINT, previous)
         sampler.stop.set()
         sock.close()
     # The sampler stops between batches. Left running, it would be killed inside torch when Python

@@ -196,29 +196,31 @@ def test_nan_reward_at_one_step_is_skipped_and_counted(micro_dir, reward_file, t
 
 
 def test_inf_reward_every_step_aborts_without_saving_non_finite(micro_dir, tmp_path, capsys):
+    """Finite on the first batch (which checks the wiring), infinite on every later one."""
     reward = tmp_path / "nan.py"
-    reward.write_text("def nan(prompts, completions, **kw):\n    return [float('inf')] * len(completions)\n")
+    reward.write_text("CALLS = [0]\n\ndef nan(prompts, completions, **kw):\n    CALLS[0] += 1\n"
+                      "    return [float('inf') if CALLS[0] > 1 else 1.0] * len(completions)\n")
     out = tmp_path / "run"
     assert main(ppo_args(micro_dir, reward, out, steps=6, fn="nan") + ["--max-skipped-updates", "2"]) == 2
     err = capsys.readouterr().err
-    assert "error: 2 consecutive updates skipped (last at step 1: non-finite reward (NaN/inf) from nan)" in err
+    assert "error: 2 consecutive updates skipped (last at step 2: non-finite reward (NaN/inf) from nan)" in err
     assert err.count("warning:") == 1 and "Traceback" not in err
     assert not (out / "policy").exists()
-    assert [r["guard/skipped_updates"] for r in tracking.read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    assert [r["guard/skipped_updates"] for r in tracking.read_jsonl(out / "metrics.jsonl")] == [0, 1, 2]
     for path in checkpoint.list_checkpoints(out / "checkpoints"):  # only finite weights, from before
         assert all(torch.isfinite(t).all() for t in load_file(str(path / "tensors.safetensors")).values())
 
 
-def test_nan_reward_on_every_step_of_a_short_run_is_the_skip_error(micro_dir, tmp_path, capsys):
-    """Every update skipped and the run ends before --max-skipped-updates: the same one-line error,
-    not a summary of a run that never trained (whose last score is null)."""
+def test_nan_reward_on_every_step_of_a_short_run_is_one_error(micro_dir, tmp_path, capsys):
+    """A reward that is NaN on every step fails on its first batch, as a reward service does: one
+    error line, nothing written (not a summary of a run that never trained)."""
     reward = tmp_path / "nan.py"
     reward.write_text("def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n")
     out = tmp_path / "run"
     assert main(ppo_args(micro_dir, reward, out, steps=2, fn="nan")) == 2
     err = capsys.readouterr().err
-    assert "error: 2 consecutive updates skipped (last at step 1: non-finite reward (NaN/inf) from nan)" in err
-    assert "Traceback" not in err and not (out / "policy").exists()
+    assert "error: reward function 'nan' returned nan for completion 0 of its first batch" in err
+    assert "Traceback" not in err and not out.exists()
 
 
 def test_a_skipped_last_step_still_prints_the_summary(micro_dir, tmp_path, capsys):
