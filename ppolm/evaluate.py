@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from ppolm import atomic, core, distributed, models
+from ppolm import atomic, core, distributed, models, tracking
 from ppolm import rollout as ro
 from ppolm.config_sections import DeviceOptions, ModelLoading
 from ppolm.data import load_prompts
@@ -112,17 +112,6 @@ class RewardEvalConfig(DeviceOptions):
         if self.batch_size < 1:
             raise PPOLMError("--batch-size must be at least 1")
         atomic.check_file_target(self.output, "--output")
-
-
-def strict_json(x: Any) -> Any:
-    """``x`` with every NaN or infinite float as None (null): strict JSON parsers reject NaN."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: strict_json(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [strict_json(v) for v in x]
-    return x
 
 
 def distinct_n(texts: list[str], n: int) -> float:
@@ -225,7 +214,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     if distributed.is_main():
         path = Path(cfg.output)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_text(path, json.dumps(strict_json(result), indent=1, ensure_ascii=False) + "\n")
+        atomic.write_text(path, json.dumps(tracking.clean_json(result), indent=1, ensure_ascii=False) + "\n")
     distributed.barrier()
     return result
 
@@ -306,7 +295,7 @@ def reward_eval(cfg: RewardEvalConfig) -> dict[str, Any]:
     out = {"reward_model": cfg.reward_model, "data": cfg.data, **evaluate_pairs(score, encoded, cfg.batch_size)}
     if cfg.output:
         Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_text(Path(cfg.output), json.dumps(strict_json(out), indent=1) + "\n")
+        atomic.write_text(Path(cfg.output), json.dumps(tracking.clean_json(out), indent=1) + "\n")
     return out
 
 

@@ -38,6 +38,16 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def clean_json(x: Any) -> Any:
+    """``x`` (dicts and lists nested) with each non-finite float as :func:`_clean` writes it (NaN as
+    null, infinities as strings): strict JSON parsers reject NaN and Infinity."""
+    if isinstance(x, dict):
+        return {k: clean_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean_json(v) for v in x]
+    return _clean(x)
+
+
 class Tracker:
     """Append per-step metrics (JSONL + TensorBoard) and samples; drive a progress bar."""
 
